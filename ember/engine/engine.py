@@ -1,0 +1,212 @@
+"""LLMEngine: wires model, paged KV cache, block manager, scheduler, runner and sampler."""
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import dataclass, replace
+
+import torch
+
+from ember.engine.block_manager import BlockManager
+from ember.engine.config import EngineConfig
+from ember.engine.detokenizer import update_text
+from ember.engine.errors import CapacityError, IntegrityError, InvalidRequestError
+from ember.engine.kv_cache import PagedKVCache
+from ember.engine.model_runner import ModelRunner
+from ember.engine.sampler import sample
+from ember.engine.sampling_params import SamplingParams
+from ember.engine.scheduler import Scheduler
+from ember.engine.sequence import Sequence
+from ember.kv.block_hash import KVLayout, chain_hashes, root_hash
+from ember.model.loader import LoadedModel, load_model
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request (streamed); the last one has finished=True."""
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    block_hashes: list[bytes]  # full blocks whose KV this request left in the cache
+
+
+@dataclass
+class Completion:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    cached_tokens: int
+    block_hashes: list[bytes]
+
+
+@dataclass
+class EngineStats:
+    num_computed_tokens: int = 0  # tokens run through the model (prefill and decode)
+    num_prompt_tokens: int = 0
+    num_cached_prompt_tokens: int = 0
+    num_steps: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None):
+        torch.set_num_threads(config.threads)
+        self.config = config
+        self.loaded = loaded or load_model(config.model, config.dtype)
+        self.tokenizer = self.loaded.tokenizer
+        args = self.loaded.args
+        self.max_model_len = min(config.max_model_len or args.max_position, args.max_position)
+        self.layout = KVLayout(self.loaded.fingerprint, config.dtype, config.block_size,
+                               args.num_layers, args.num_kv_heads, args.head_dim)
+        num_blocks = config.num_kv_blocks or config.kv_cache_bytes // self.layout.block_bytes
+        self.cache = PagedKVCache(self.layout, num_blocks)
+        self.block_manager = BlockManager(num_blocks, config.block_size, root_hash(self.layout))
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(self.loaded.model, self.cache)
+        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else args.eos_token_id
+        self.seqs: dict[str, Sequence] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+
+    # -- requests ----------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams = SamplingParams(),
+                    request_id: str | None = None) -> str:
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.seqs:
+            raise InvalidRequestError(f"request_id {request_id!r} is already running")
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate(token_ids, params)
+        seed = params.seed if params.seed is not None else random.getrandbits(63)
+        seq = Sequence(request_id, token_ids, len(token_ids), params, seed)
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+        self.stats.num_prompt_tokens += len(token_ids)
+        return request_id
+
+    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise InvalidRequestError("prompt is empty")
+        vocab = self.loaded.args.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})")
+        total = len(token_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                f"the model's context length {self.max_model_len}; shorten the prompt or lower max_tokens")
+        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
+            raise CapacityError(
+                f"prompt + max_tokens = {total} tokens needs more KV blocks than the pool holds "
+                f"({self.block_manager.num_blocks} blocks of {self.config.block_size}); raise kv_cache_bytes")
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- the step ----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        logits, sampled = self.runner.run(batch)
+        self.stats.num_steps += 1
+        for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.register_computed(seq)
+            self.stats.num_computed_tokens += n
+        seqs = [batch.seqs[i] for i in sampled]
+        tokens = sample(logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs])
+        return [self._append_token(seq, token) for seq, token in zip(seqs, tokens)]
+
+    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+        seq.token_ids.append(token)
+        p = seq.params
+        reason = None
+        if (token == self.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
+            reason = "stop"
+        elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        new_text, stop_hit = update_text(seq, self.tokenizer.decode, final=reason is not None)
+        if stop_hit:
+            reason = "stop"
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            del self.seqs[seq.request_id]
+            if seq.num_cached_tokens:
+                self.stats.num_cached_prompt_tokens += seq.num_cached_tokens
+        return RequestOutput(seq.request_id, [token], new_text, reason is not None, reason, seq.prompt_len,
+                             seq.num_cached_tokens, seq.num_output_tokens, list(seq.block_hashes))
+
+    # -- conveniences --------------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()
+                 ) -> list[Completion]:
+        """Run prompts to completion, batched together; results in prompt order."""
+        all_params = params if isinstance(params, list) else [params] * len(prompts)
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, all_params)]
+        prompt_ids = {rid: list(self.seqs[rid].token_ids) for rid in ids}
+        done: dict[str, Completion] = {}
+        texts: dict[str, list[str]] = {rid: [] for rid in ids}
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        while self.has_unfinished():
+            for out in self.step():
+                texts[out.request_id].append(out.new_text)
+                tokens[out.request_id].extend(out.new_token_ids)
+                if out.finished:
+                    done[out.request_id] = Completion(out.request_id, prompt_ids[out.request_id],
+                                                      tokens[out.request_id], "".join(texts[out.request_id]),
+                                                      out.finish_reason, out.cached_tokens, out.block_hashes)
+        return [done[rid] for rid in ids]
+
+    def prefill(self, prompt: str | list[int], params: SamplingParams = SamplingParams()) -> Completion:
+        """Prefill only: compute the prompt's KV into the cache and sample the first token."""
+        return self.generate([prompt], replace(params, max_tokens=1))[0]
+
+    # -- KV block seams (services move these bytes between sites) ------------------------------
+    def export_blocks(self, block_hashes: list[bytes]) -> list[bytes]:
+        """Payloads of cached blocks (layout in ember.engine.kv_cache); KeyError if one is gone."""
+        payloads = []
+        for h in block_hashes:
+            block_id = self.block_manager.cached.get(h)
+            if block_id is None:
+                raise KeyError(f"block {h.hex()} is not in the cache (evicted or never computed)")
+            payloads.append(self.cache.export_block(block_id))
+        return payloads
+
+    def import_blocks(self, token_ids: list[int], block_hashes: list[bytes], payloads: list[bytes]) -> int:
+        """Put the KV of the first len(block_hashes) full blocks of token_ids into the cache.
+
+        The hashes are recomputed from the tokens and must match, so a block can never be
+        filed under tokens it was not computed from. Returns how many blocks were new.
+        """
+        bs = self.config.block_size
+        expected = chain_hashes(token_ids[:len(block_hashes) * bs], bs, self.block_manager.root_hash)
+        if len(expected) != len(block_hashes) or expected != list(block_hashes):
+            raise IntegrityError("block hashes do not match the tokens and KV layout they claim")
+        if len(payloads) != len(block_hashes):
+            raise IntegrityError(f"{len(payloads)} payloads for {len(block_hashes)} blocks")
+        imported = 0
+        for i, (h, payload) in enumerate(zip(block_hashes, payloads)):
+            block_tokens = token_ids[i * bs:(i + 1) * bs]
+            if self.block_manager.num_free_blocks == 0:
+                raise CapacityError("no free KV block to import into")
+            block_id = self.block_manager.reserve_for_import(h, block_tokens)
+            if block_id is None:
+                continue
+            try:
+                self.cache.import_block(block_id, payload)
+            except ValueError as e:
+                self.block_manager.release(block_id)
+                raise IntegrityError(str(e)) from e
+            self.block_manager.publish_import(block_id, h, block_tokens)
+            imported += 1
+        return imported

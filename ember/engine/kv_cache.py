@@ -1,0 +1,44 @@
+"""The one preallocated paged KV tensor, and block export/import as bytes.
+
+Shape: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
+A block's wire payload is `kv[:, :, block_id]` in C order: layer-major, then K before V,
+then token, head, dim; little-endian elements of the cache dtype. Its size is
+`KVLayout.block_bytes`.
+"""
+from __future__ import annotations
+
+import torch
+
+from ember.kv.block_hash import KVLayout
+
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# numpy has no bfloat16: move bytes through a same-width integer view
+_BYTE_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+class PagedKVCache:
+    def __init__(self, layout: KVLayout, num_blocks: int):
+        self.layout = layout
+        self.num_blocks = num_blocks
+        self.dtype = _TORCH_DTYPES[layout.dtype]
+        self.kv = torch.zeros(layout.num_layers, 2, num_blocks, layout.block_size,
+                              layout.num_kv_heads, layout.head_dim, dtype=self.dtype)
+        self.block_shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+
+    @property
+    def nbytes(self) -> int:
+        return self.kv.numel() * self.kv.element_size()
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V caches of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
+        return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+
+    def export_block(self, block_id: int) -> bytes:
+        block = self.kv[:, :, block_id].contiguous()
+        return block.view(_BYTE_VIEW[self.dtype]).numpy().tobytes()
+
+    def import_block(self, block_id: int, payload: bytes | bytearray | memoryview) -> None:
+        if len(payload) != self.layout.block_bytes:
+            raise ValueError(f"KV block payload is {len(payload)} bytes, layout needs {self.layout.block_bytes}")
+        src = torch.frombuffer(bytearray(payload), dtype=self.dtype).view(self.block_shape)
+        self.kv[:, :, block_id].copy_(src)

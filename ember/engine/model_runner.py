@@ -1,0 +1,51 @@
+"""Turns a scheduled batch into tensors, runs the model, returns logits of sampled rows."""
+from __future__ import annotations
+
+import torch
+
+from ember.engine.attention import DecodeBatch, PagedAttention, PrefillChunk
+from ember.engine.kv_cache import PagedKVCache
+from ember.engine.scheduler import ScheduledBatch
+from ember.model.llama import LlamaModel
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, cache: PagedKVCache):
+        self.model = model
+        self.cache = cache
+        self.block_size = cache.layout.block_size
+        self.scale = model.args.head_dim ** -0.5
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        """Compute the batch's tokens; return (logits [S, V], indices into batch.seqs sampled)."""
+        input_ids, positions, slots = [], [], []
+        prefills, decode_rows, decode_tables, decode_lens = [], [], [], []
+        sample_rows, sampled = [], []
+        bs = self.block_size
+        for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
+            start = seq.num_computed_tokens
+            offset = len(input_ids)
+            input_ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if n == 1 and start > 0:
+                decode_rows.append(offset)
+                decode_tables.append(table[:-(-(start + 1) // bs)])
+                decode_lens.append(start + 1)
+            else:
+                prefills.append(PrefillChunk(offset, n, start, torch.tensor(table[:-(-(start + n) // bs)])))
+            if start + n == seq.num_tokens:  # chunk reaches the end: sample the next token
+                sample_rows.append(offset + n - 1)
+                sampled.append(i)
+        decode = None
+        if decode_rows:
+            width = max(len(t) for t in decode_tables)
+            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
+            decode = DecodeBatch(torch.tensor(decode_rows), tables, torch.tensor(decode_lens))
+        attend = PagedAttention(self.cache, torch.tensor(slots), prefills, decode, self.scale)
+        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), attend)
+        if not sample_rows:
+            return hidden.new_empty(0, self.model.args.vocab_size, dtype=torch.float32), []
+        return self.model.compute_logits(hidden[sample_rows]), sampled

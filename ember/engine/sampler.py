@@ -1,0 +1,48 @@
+"""Token sampling: greedy, temperature, top-k, top-p, reproducible per request.
+
+A sampled token depends only on the logits, the request's params and seed, and the
+token's position: its random draw comes from a generator seeded with (seed, position).
+So a request gives the same tokens however it was batched, preempted or split between
+a prefill and a decode server.
+"""
+from __future__ import annotations
+
+import torch
+
+from ember.engine.sampling_params import SamplingParams
+
+_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant to spread (seed, position) pairs
+
+
+def position_seed(seed: int, position: int) -> int:
+    return (seed * _MIX + position) % (2**63 - 1)
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """logits: [V] fp32 -> logits with excluded tokens at -inf."""
+    if top_k and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # drop a token once the tokens ranked above it already cover top_p
+        drop = probs.cumsum(-1) - probs >= top_p
+        drop[0] = False
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], positions: list[int]) -> list[int]:
+    """logits: [B, V] fp32; returns one token id per row."""
+    tokens = logits.argmax(dim=-1).tolist()
+    for row, p in enumerate(params):
+        if p.greedy:
+            continue
+        row_logits = apply_top_k_top_p(logits[row] / p.temperature, p.top_k, p.top_p)
+        probs = row_logits.softmax(-1)
+        gen = torch.Generator().manual_seed(position_seed(seeds[row], positions[row]))
+        # argmax(p / Exp(1)) draws from p (exponential race) with one generator call
+        noise = torch.empty_like(probs).exponential_(generator=gen)
+        tokens[row] = int((probs / noise).argmax())
+    return tokens

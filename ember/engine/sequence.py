@@ -1,0 +1,48 @@
+"""One request's tokens and bookkeeping inside the engine (torch-free)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ember.engine.sampling_params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt followed by generated tokens
+    prompt_len: int
+    params: SamplingParams
+    seed: int
+    status: SeqStatus = SeqStatus.WAITING
+    num_computed_tokens: int = 0  # tokens whose KV is in the pool
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, in order
+    finish_reason: str | None = None
+    output_text: str = ""
+    num_text_emitted: int = 0
+    num_preemptions: int = 0
+    admitted_once: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len:]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

@@ -1,0 +1,65 @@
+"""Content addresses of KV-cache blocks, shared by every service (torch-free).
+
+hash(block i) = BLAKE2b-128(key=seed, parent_hash || token_ids of block i as uint32 LE).
+The chain starts from a root hash over the `KVLayout`, so a block's identity covers the
+model weights (fingerprint), KV dtype, block size and layer/head shape: two services
+agree on a hash only if the bytes behind it are interchangeable. Only full blocks are
+hashed; a partial tail block has no address.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+HASH_SEED = b"ember-kv-block-v1"
+HASH_BYTES = 16
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    model_fingerprint: str
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    tp_size: int = 1
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _DTYPE_BYTES[self.dtype]
+
+    @property
+    def block_bytes(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    def canonical(self) -> bytes:
+        return "|".join(f"{k}={v}" for k, v in sorted(asdict(self).items())).encode()
+
+
+def root_hash(layout: KVLayout) -> bytes:
+    return hashlib.blake2b(layout.canonical(), key=HASH_SEED, digest_size=HASH_BYTES).digest()
+
+
+def block_hash(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    payload = parent_hash + struct.pack(f"<{len(token_ids)}I", *token_ids)
+    return hashlib.blake2b(payload, key=HASH_SEED, digest_size=HASH_BYTES).digest()
+
+
+def chain_hashes(token_ids: Sequence[int], block_size: int, root: bytes,
+                 start_parent: bytes | None = None, start_block: int = 0) -> list[bytes]:
+    """Hashes of the full blocks of `token_ids` from block `start_block` on.
+
+    `start_parent` is the hash of block `start_block - 1` (the root when starting at 0),
+    so callers can extend a chain without rehashing it.
+    """
+    parent = root if start_parent is None else start_parent
+    hashes = []
+    for i in range(start_block, len(token_ids) // block_size):
+        parent = block_hash(parent, token_ids[i * block_size:(i + 1) * block_size])
+        hashes.append(parent)
+    return hashes

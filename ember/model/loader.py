@@ -1,0 +1,86 @@
+"""Load a model for serving: a GGUF file (converted once to a cached HF folder) or an HF folder."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ember.model.fetch import sha256_file
+from ember.model.gguf_convert import CONVERTER_VERSION, convert_gguf
+from ember.model.llama import LlamaModel, ModelArgs
+from ember.model.tokenizer import Tokenizer
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    args: ModelArgs
+    model: LlamaModel
+    tokenizer: Tokenizer
+    fingerprint: str  # content hash of the weights; part of every KV block hash
+    name: str
+
+
+def cache_dir_for(gguf_path: Path) -> Path:
+    return gguf_path.with_name(gguf_path.stem + ".ember")
+
+
+def ensure_gguf_cache(gguf_path: Path) -> Path:
+    """The HF-layout cache folder for a GGUF, (re)built when missing or stale."""
+    cache = cache_dir_for(gguf_path)
+    stat = gguf_path.stat()
+    meta_path = cache / "ember.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        if (meta.get("converter_version") == CONVERTER_VERSION and meta.get("source_size") == stat.st_size
+                and meta.get("source_mtime_ns") == stat.st_mtime_ns):
+            return cache
+    fingerprint = "sha256:" + sha256_file(gguf_path)
+    convert_gguf(gguf_path, cache, fingerprint)
+    meta = json.loads(meta_path.read_text())
+    meta.update(source_size=stat.st_size, source_mtime_ns=stat.st_mtime_ns)
+    meta_path.write_text(json.dumps(meta))
+    return cache
+
+
+def folder_fingerprint(folder: Path) -> str:
+    meta_path = folder / "ember.json"
+    if meta_path.exists():
+        return json.loads(meta_path.read_text())["fingerprint"]
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*.safetensors")) + [folder / "config.json"]:
+        digest.update(path.name.encode())
+        digest.update(sha256_file(path).encode())
+    return "sha256:" + digest.hexdigest()
+
+
+def load_model(path: str | Path, dtype: str = "float32") -> LoadedModel:
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model not found: {path} (run `make setup` to fetch the default model)")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    folder = ensure_gguf_cache(path) if path.suffix == ".gguf" else path
+    args = ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
+    torch_dtype = DTYPES[dtype]
+    tensors = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                tensors[name] = f.get_tensor(name).to(torch_dtype)
+    with torch.device("meta"):
+        model = LlamaModel(args)
+    model.load_hf_state_dict(tensors)
+    model.rope_cos, model.rope_sin = (t.to("cpu") for t in _rope_tables(args))
+    model.eval().requires_grad_(False)
+    return LoadedModel(args, model, Tokenizer.from_folder(folder), folder_fingerprint(folder), path.stem)
+
+
+def _rope_tables(args: ModelArgs):
+    from ember.model.llama import rope_cos_sin
+    return rope_cos_sin(args.head_dim, args.rope_theta, args.max_position)

@@ -1,0 +1,87 @@
+"""Shared fixtures: the real default model, one engine, and the transformers reference."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from ember.model.fetch import DEFAULT_MODEL_PATH, fetch_default_model  # noqa: E402
+
+LONG_TEXT = " ".join(
+    f"Section {i}. The harbour town of Eastmere kept its records in a stone archive by the quay. "
+    f"In year {1700 + 7 * i} the council counted {40 + i} fishing boats, {3 * i + 2} merchant ships "
+    f"and a lighthouse whose keeper wrote down the weather every morning. Storms came from the west, "
+    f"and the keeper's notes say the tide rose higher than anyone remembered."
+    for i in range(20)
+)
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village by the sea,",
+    "Q: What is 17 times 3?\nA:",
+    "The three primary colours are",
+    LONG_TEXT + "\n\nQuestion: What did the lighthouse keeper write down every morning?\nAnswer:",
+]
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    return fetch_default_model(DEFAULT_MODEL_PATH)
+
+
+@pytest.fixture(scope="session")
+def loaded(model_path):
+    from ember.model.loader import load_model
+    return load_model(model_path)
+
+
+@pytest.fixture(scope="session")
+def engine(loaded):
+    from ember.engine.config import EngineConfig
+    from ember.engine.engine import LLMEngine
+    return LLMEngine(EngineConfig(kv_cache_bytes=256 * 2**20, num_threads=2), loaded=loaded)
+
+
+@pytest.fixture(scope="session")
+def make_engine(loaded):
+    """A fresh engine on the already-loaded weights (own pool, scheduler and cache)."""
+    from ember.engine.config import EngineConfig
+    from ember.engine.engine import LLMEngine
+
+    def make(**overrides) -> LLMEngine:
+        overrides.setdefault("num_threads", 2)
+        return LLMEngine(EngineConfig(**overrides), loaded=loaded)
+    return make
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_path):
+    """transformers' own GGUF loader and tokenizer: the independent reference."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    kw = dict(gguf_file=model_path.name)
+    tok = AutoTokenizer.from_pretrained(model_path.parent, **kw)
+    model = AutoModelForCausalLM.from_pretrained(model_path.parent, dtype=torch.float32, **kw).eval()
+    return tok, model
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_model):
+    """hf_greedy(token_ids, max_new_tokens) -> generated ids (memoised)."""
+    import torch
+    tok, model = hf_model
+    memo: dict = {}
+
+    def run(token_ids: list[int], max_new_tokens: int) -> list[int]:
+        key = (tuple(token_ids), max_new_tokens)
+        if key not in memo:
+            with torch.inference_mode():
+                out = model.generate(torch.tensor([token_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                     attention_mask=torch.ones(1, len(token_ids), dtype=torch.long))
+            memo[key] = out[0, len(token_ids):].tolist()
+        return memo[key]
+    return run
