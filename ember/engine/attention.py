@@ -60,19 +60,23 @@ class PagedAttention:
         return out
 
     def _prefill(self, q, k, v, chunk: PrefillChunk, k_cache, v_cache) -> torch.Tensor:
-        # q: [n, H, D] -> SDPA wants [H, n, D]
+        # q: [n, H, D] -> SDPA wants [H, n, D]. K/V heads are repeated for the query
+        # heads: SDPA's enable_gqa falls back to its slow math path on CPU (3x slower).
+        group = q.shape[1] // k.shape[1]
         if chunk.context_start == 0:
-            out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-                                                 is_causal=True, scale=self.scale, enable_gqa=True)
-            return out.transpose(0, 1)
-        total = chunk.context_start + chunk.num_tokens
-        keys = k_cache[chunk.block_table].flatten(0, 1)[:total]  # [total, Hkv, D]
-        values = v_cache[chunk.block_table].flatten(0, 1)[:total]
-        query_pos = chunk.context_start + torch.arange(chunk.num_tokens)
-        mask = torch.arange(total)[None, :] <= query_pos[:, None]  # [n, total]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
-                                             attn_mask=mask, scale=self.scale, enable_gqa=True)
-        return out.transpose(0, 1)
+            keys, values, mask, causal = k, v, None, True
+        else:
+            total = chunk.context_start + chunk.num_tokens
+            keys = k_cache[chunk.block_table].flatten(0, 1)[:total]  # [total, Hkv, D]
+            values = v_cache[chunk.block_table].flatten(0, 1)[:total]
+            query_pos = chunk.context_start + torch.arange(chunk.num_tokens)
+            mask, causal = torch.arange(total)[None, :] <= query_pos[:, None], False  # [n, total]
+        # 4-D inputs: with 3-D ones SDPA also takes the math path
+        keys = keys.repeat_interleave(group, dim=1).transpose(0, 1)[None]
+        values = values.repeat_interleave(group, dim=1).transpose(0, 1)[None]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask,
+                                             is_causal=causal, scale=self.scale)
+        return out[0].transpose(0, 1)
 
     def _decode(self, q: torch.Tensor, k_cache, v_cache) -> torch.Tensor:
         # q: [B, H, D]. Group the query heads by their KV head: [B, Hkv, G, D], so one

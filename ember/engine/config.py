@@ -18,6 +18,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 1024  # per-step budget; bounds a prefill chunk
     max_model_len: int | None = None  # default: the model's context length
     num_threads: int = 0  # torch intra-op threads; 0 = one per core
+    optimize: bool = True  # swap in the fastest available kernels (ember.kernels)
 
     def __post_init__(self):
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):

@@ -17,6 +17,7 @@ from ember.engine.sampler import sample
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.scheduler import Scheduler
 from ember.engine.sequence import Sequence
+from ember.kernels import optimize
 from ember.kv.block_hash import KVLayout, chain_hashes, root_hash
 from ember.model.loader import LoadedModel, load_model
 
@@ -68,6 +69,7 @@ class LLMEngine:
         self.cache = PagedKVCache(self.layout, num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, root_hash(self.layout))
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.kernels = optimize(self.loaded.model) if config.optimize else []
         self.runner = ModelRunner(self.loaded.model, self.cache)
         self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else args.eos_token_id
         self.seqs: dict[str, Sequence] = {}

@@ -7,12 +7,14 @@ then token, head, dim; little-endian elements of the cache dtype. Its size is
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ember.kv.block_hash import KVLayout
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # numpy has no bfloat16: move bytes through a same-width integer view
+_NUMPY_TWIN = {torch.float32: np.float32, torch.bfloat16: np.int16, torch.float16: np.float16}
 _BYTE_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
@@ -21,8 +23,11 @@ class PagedKVCache:
         self.layout = layout
         self.num_blocks = num_blocks
         self.dtype = _TORCH_DTYPES[layout.dtype]
-        self.kv = torch.zeros(layout.num_layers, 2, num_blocks, layout.block_size,
-                              layout.num_kv_heads, layout.head_dim, dtype=self.dtype)
+        shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        # Zeroed pages straight from the OS (calloc): no up-front memset of the whole pool,
+        # pages are touched as blocks are first written. Zeros matter: attention reads the
+        # unwritten tail of a block (masked), and 0 * garbage could be NaN.
+        self.kv = torch.from_numpy(np.zeros(shape, dtype=_NUMPY_TWIN[self.dtype])).view(self.dtype)
         self.block_shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
 
     @property

@@ -191,8 +191,9 @@ class LlamaModel(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:  # tied
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load weights named as in Hugging Face Llama checkpoints, fusing qkv and gate/up."""

@@ -1,0 +1,101 @@
+"""`ember` command line: generate text, fetch the model, run benchmarks."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import ember  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    from ember.model.fetch import DEFAULT_MODEL_PATH
+    p.add_argument("--model", default=str(DEFAULT_MODEL_PATH), help="GGUF file or HF model folder")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = one per core)")
+    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool size in MiB")
+
+
+def cmd_generate(args) -> int:
+    from ember.engine.config import EngineConfig
+    from ember.engine.engine import LLMEngine
+    from ember.engine.errors import CapacityError
+    from ember.engine.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, stop=tuple(args.stop or ()))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
+                                    kv_cache_bytes=args.kv_cache_mb * 2**20))
+    prompt = args.prompt
+    if args.chat:
+        prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    try:
+        engine.add_request(prompt, params)
+    except (ValueError, CapacityError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+            if out.finished:
+                sys.stdout.write("\n")
+                print(f"[{out.finish_reason}: {out.prompt_tokens} prompt, {out.cached_tokens} cached, "
+                      f"{out.completion_tokens} completion tokens]", file=sys.stderr)
+    return 0
+
+
+def cmd_fetch_model(args) -> int:
+    from ember.model.fetch import fetch_default_model
+    from ember.model.loader import ensure_gguf_cache
+    path = fetch_default_model()
+    ensure_gguf_cache(path)
+    print(path)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    if args.what == "engine":
+        from ember.bench.engine_bench import main as bench_main
+        return bench_main(args)
+    raise SystemExit(f"unknown benchmark {args.what!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ember", description="Ember: disaggregated LLM serving")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="stream a completion from the in-process engine")
+    g.add_argument("prompt")
+    g.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    g.add_argument("--max-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    _add_engine_args(g)
+    g.set_defaults(func=cmd_generate)
+
+    f = sub.add_parser("fetch-model", help="download, verify and convert the default model")
+    f.set_defaults(func=cmd_fetch_model)
+
+    b = sub.add_parser("bench", help="benchmarks that write JSON")
+    b.add_argument("what", choices=["engine"])
+    b.add_argument("--output", default="bench-out/engine.json")
+    b.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    _add_engine_args(b)
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
