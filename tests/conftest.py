@@ -8,7 +8,7 @@ import pytest
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from ember.model.fetch import DEFAULT_MODEL_PATH, fetch_default_model  # noqa: E402
+from ember.model.fetch import DEFAULT_MODEL_PATH, fetch_default_model
 
 LONG_TEXT = " ".join(
     f"Section {i}. The harbour town of Eastmere kept its records in a stone archive by the quay. "

@@ -21,7 +21,7 @@ def test_hash_depends_on_layout_and_model():
     tokens = list(range(16))
     other_dtype = KVLayout("sha256:abc", "bfloat16", 16, 30, 3, 64)
     other_model = KVLayout("sha256:def", "float32", 16, 30, 3, 64)
-    hashes = {chain_hashes(tokens, 16, root_hash(l))[0] for l in (LAYOUT, other_dtype, other_model)}
+    hashes = {chain_hashes(tokens, 16, root_hash(layout))[0] for layout in (LAYOUT, other_dtype, other_model)}
     assert len(hashes) == 3
 
 

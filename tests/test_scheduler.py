@@ -2,7 +2,7 @@
 from ember.engine.block_manager import BlockManager
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.scheduler import Scheduler
-from ember.engine.sequence import Sequence, SeqStatus
+from ember.engine.sequence import SeqStatus, Sequence
 
 ROOT = b"\x00" * 16
 

@@ -89,7 +89,8 @@ class BlockManager:
             seq.block_table.append(self._take_fresh())
 
     def can_grow(self, seq: Sequence, num_new_tokens: int) -> bool:
-        return self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table) <= self.num_free_blocks
+        missing = self.blocks_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        return missing <= self.num_free_blocks
 
     def grow(self, seq: Sequence, num_new_tokens: int) -> None:
         """Ensure seq has slots for its next `num_new_tokens` tokens."""

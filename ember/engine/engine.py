@@ -71,7 +71,8 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.kernels = optimize(self.loaded.model) if config.optimize else []
         self.runner = ModelRunner(self.loaded.model, self.cache)
-        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else args.eos_token_id
+        eos = self.tokenizer.eos_token_id
+        self.eos_token_id = eos if eos is not None else args.eos_token_id
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()

@@ -1,7 +1,7 @@
 """Per-request sampling and stopping parameters, validated when built (torch-free)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from ember.engine.block_manager import BlockManager
-from ember.engine.sequence import Sequence, SeqStatus
+from ember.engine.sequence import SeqStatus, Sequence
 
 
 @dataclass

@@ -34,10 +34,13 @@ def pack_linears(model: nn.Module) -> bool:
     """Replace every bias-free nn.Linear (and a tied output layer) with a PackedLinear."""
     if not onednn_available():
         return False
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear) and child.bias is None:
-                setattr(parent, name, PackedLinear(child.weight))
+    # Hold (parent, name) pairs, not the layers, so each unpacked weight is freed as soon
+    # as its packed twin exists: peak memory stays one layer above the model's size.
+    targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
+               if isinstance(child, nn.Linear) and child.bias is None]
+    for parent, name in targets:
+        setattr(parent, name, PackedLinear(getattr(parent, name).weight))
     if getattr(model, "lm_head", "absent") is None:  # tied embeddings: pack a copy for the logits
         model.lm_head = PackedLinear(model.embed_tokens.weight)
     return True
+

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 HASH_SEED = b"ember-kv-block-v1"
 HASH_BYTES = 16

@@ -39,7 +39,8 @@ def read_args(reader: GGUFReader) -> ModelArgs:
     arch = _field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"GGUF architecture {arch!r} is not supported (only 'llama')")
-    a = lambda k, d=None: _field(reader, f"llama.{k}", d)
+    def a(key, default=None):
+        return _field(reader, f"llama.{key}", default)
     heads = int(a("attention.head_count"))
     hidden = int(a("embedding_length"))
     has_output = any(t.name == "output.weight" for t in reader.tensors)
@@ -104,11 +105,13 @@ def build_tokenizer(reader: GGUFReader) -> tuple[Tokenizer, dict]:
     specials = [AddedToken(tokens[i], special=types[i] == _TOKEN_TYPE_CONTROL, normalized=False)
                 for i in range(len(tokens)) if types[i] in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED)]
     tok.add_tokens(specials)
-    tok_id = lambda key: _field(reader, key)
+    def token_named(key):
+        token_id = _field(reader, key)
+        return None if token_id is None else tokens[token_id]
     config = {
         "chat_template": _field(reader, "tokenizer.chat_template"),
-        "bos_token": tokens[tok_id("tokenizer.ggml.bos_token_id")] if tok_id("tokenizer.ggml.bos_token_id") is not None else None,
-        "eos_token": tokens[tok_id("tokenizer.ggml.eos_token_id")] if tok_id("tokenizer.ggml.eos_token_id") is not None else None,
+        "bos_token": token_named("tokenizer.ggml.bos_token_id"),
+        "eos_token": token_named("tokenizer.ggml.eos_token_id"),
         "add_bos_token": bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
     }
     return tok, config

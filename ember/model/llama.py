@@ -31,7 +31,7 @@ class ModelArgs:
     eos_token_id: int | None = None
 
     @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+    def from_hf_config(cls, cfg: dict) -> ModelArgs:
         if cfg.get("rope_scaling"):
             raise ValueError("rope_scaling is not supported yet; remove it from config.json or use another model")
         num_heads = cfg["num_attention_heads"]
@@ -196,11 +196,13 @@ class LlamaModel(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Load weights named as in Hugging Face Llama checkpoints, fusing qkv and gate/up."""
+        """Load weights named as in Hugging Face Llama checkpoints, fusing qkv and gate/up.
+
+        Consumes `tensors` (entries are popped as they are used)."""
         def take(name: str) -> torch.Tensor:
             if name not in tensors:
                 raise KeyError(f"checkpoint is missing tensor {name!r}")
-            return tensors[name]
+            return tensors.pop(name)  # drop sources as they are fused: one copy at a time
 
         own = {}
         own["embed_tokens.weight"] = take("model.embed_tokens.weight")

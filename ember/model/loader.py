@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
 from ember.model.fetch import sha256_file
 from ember.model.gguf_convert import CONVERTER_VERSION, convert_gguf
 from ember.model.llama import LlamaModel, ModelArgs
+from ember.model.safetensors_io import read_safetensors
 from ember.model.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -26,6 +26,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     fingerprint: str  # content hash of the weights; part of every KV block hash
     name: str
+    weights_bytes: int  # of the checkpoint in the serving dtype
 
 
 def cache_dir_for(gguf_path: Path) -> Path:
@@ -72,14 +73,14 @@ def load_model(path: str | Path, dtype: str = "float32") -> LoadedModel:
     torch_dtype = DTYPES[dtype]
     tensors = {}
     for file in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                tensors[name] = f.get_tensor(name).to(torch_dtype)
+        tensors.update(read_safetensors(file, torch_dtype))
+    weights_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     with _skip_weight_init():
         model = LlamaModel(args)
     model.load_hf_state_dict(tensors)
     model.eval().requires_grad_(False)
-    return LoadedModel(args, model, Tokenizer.from_folder(folder), folder_fingerprint(folder), path.stem)
+    return LoadedModel(args, model, Tokenizer.from_folder(folder), folder_fingerprint(folder), path.stem,
+                       weights_bytes)
 
 
 @contextmanager

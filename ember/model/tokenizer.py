@@ -28,7 +28,7 @@ class Tokenizer:
             self._template = env.from_string(chat_template)
 
     @classmethod
-    def from_folder(cls, folder: Path) -> "Tokenizer":
+    def from_folder(cls, folder: Path) -> Tokenizer:
         folder = Path(folder)
         backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
         cfg_path = folder / "tokenizer_config.json"
