@@ -12,8 +12,9 @@ import time
 import psutil
 
 started = psutil.Process().create_time()
-import ember  # noqa: E402,F401
 import torch  # noqa: E402,F401
+
+import ember  # noqa: E402,F401
 
 torch_imported = time.time()
 

@@ -51,6 +51,8 @@ class PagedAttention:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, v)
+        if not self.prefills:  # decode-only step: rows are already in order
+            return self._decode(q, k_cache, v_cache)
         out = torch.empty_like(q)
         for chunk in self.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)

@@ -101,9 +101,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 whatever the serving dtype (as transformers does).
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        # Normalise in fp32 whatever the serving dtype (as transformers does); one fused
+        # op instead of six (this runs 61 times per step).
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * h.to(x.dtype)
 
 
@@ -127,16 +129,16 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.split_sizes = (q_size, kv_size, kv_size)
         self.qkv_proj = nn.Linear(args.hidden_size, q_size + 2 * kv_size, bias=False)
         self.o_proj = nn.Linear(q_size, args.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, attend: Attend, layer_idx: int) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
-        q = apply_rope(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin).to(x.dtype)
-        k = apply_rope(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin).to(x.dtype)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)
+        # rotate q and k heads in one go: [T, num_heads + num_kv_heads, D]
+        qk = apply_rope(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin).to(x.dtype)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        v = qkv[:, self.num_heads + self.num_kv_heads:]
         out = attend(layer_idx, q, k, v)
         return self.o_proj(out.reshape(num_tokens, -1))
 
