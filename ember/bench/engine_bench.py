@@ -94,7 +94,7 @@ def bench_ember(model: str, dtype: str, threads: int, kv_cache_mb: int, quick: b
     progress(f"ember {dtype}: loading")
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, num_threads=threads,
                                     kv_cache_bytes=kv_cache_mb * 2**20))
-    lengths, batches, new_tokens = ((128, 512), (1, 8), 8) if quick else ((512, 2048), (1, 8, 32), 32)
+    lengths, batches, new_tokens = ((128, 512), (1, 8), 8) if quick else ((512, 2048), (1, 8, 32), 48)
     out = {"kernels": engine.kernels, "prefill_tok_s": {}, "decode_tok_s": {}, "prefill_gflops": {}}
     for n in lengths:
         progress(f"ember {dtype}: prefill {n}")
@@ -113,7 +113,7 @@ def bench_transformers(model_path: Path, threads: int, quick: bool) -> dict:
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
                                                  dtype=torch.float32).eval()
-    lengths, batches, new_tokens = ((128, 512), (1, 8), 8) if quick else ((512, 2048), (1, 8, 32), 32)
+    lengths, batches, new_tokens = ((128, 512), (1, 8), 8) if quick else ((512, 2048), (1, 8, 32), 48)
     out = {"prefill_tok_s": {}, "decode_tok_s": {}}
     for n in lengths:
         progress(f"transformers: prefill {n}")

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ember.model.safetensors_io import drop_resident_pages
+
 
 def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -42,5 +44,7 @@ def pack_linears(model: nn.Module) -> bool:
         setattr(parent, name, PackedLinear(getattr(parent, name).weight))
     if getattr(model, "lm_head", "absent") is None:  # tied embeddings: pack a copy for the logits
         model.lm_head = PackedLinear(model.embed_tokens.weight)
+        # packing read every row; lookups need few, so hand the pages back if mapped
+        drop_resident_pages(model.embed_tokens.weight)
     return True
 
