@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 MODEL  := models/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: setup venv model proto test lint run bench clean
+.PHONY: setup venv model proto test lint run down bench clean
 
 setup: venv model proto
 
@@ -28,10 +28,17 @@ test: setup
 	$(BIN)/python -m pytest -q
 
 lint: venv
-	$(BIN)/ruff check ember tests
+	$(BIN)/ruff check ember services tests
 
+# The main job: the local cluster (router, prefill@central, decode@edge, one kvstore per
+# site) as separate processes, then a demo chat request through the router.
 run: setup
-	$(BIN)/ember generate --chat --max-tokens 64 "In one paragraph, why does splitting prefill and decode help LLM serving?"
+	$(BIN)/ember up --run-dir runs/local
+	$(BIN)/ember generate --router 127.0.0.1:50051 --chat --max-tokens 64 "In one paragraph, why does splitting prefill and decode help LLM serving?"
+	@echo "cluster still running: '$(BIN)/ember down --run-dir runs/local' stops it"
+
+down:
+	$(BIN)/ember down --run-dir runs/local
 
 bench: setup
 	$(BIN)/ember bench engine --output bench-out/engine.json

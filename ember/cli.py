@@ -3,8 +3,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import ember  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
+
+DEFAULT_CLUSTER_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -16,6 +19,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args) -> int:
+    if args.router:
+        return _generate_remote(args)
     from ember.engine.config import EngineConfig
     from ember.engine.engine import LLMEngine
     from ember.engine.errors import CapacityError
@@ -48,6 +53,44 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def _generate_remote(args) -> int:
+    import grpc
+
+    from ember.client import RouterClient
+    kwargs = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"text": args.prompt}
+    with RouterClient(args.router) as client:
+        try:
+            for msg in client.stream(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                     top_k=args.top_k, seed=args.seed, stop=args.stop, **kwargs):
+                sys.stdout.write(msg.text)
+                sys.stdout.flush()
+                if msg.finished:
+                    sys.stdout.write("\n")
+                    u, t, p = msg.usage, msg.timings, msg.placement
+                    print(f"[{msg.finish_reason}: {u.prompt_tokens} prompt, {u.cached_tokens} cached, "
+                          f"{u.completion_tokens} completion tokens; ttft {t.ttft_s * 1000:.0f} ms, "
+                          f"transfer {t.transfer_s * 1000:.0f} ms, tpot {t.tpot_s * 1000:.1f} ms; "
+                          f"prefill@{p.prefill_site} decode@{p.decode_site}]", file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 2
+    return 0
+
+
+def cmd_up(args) -> int:
+    from ember.cluster.launcher import up
+    config = up(args.config, args.run_dir)
+    print(f"ember cluster up; router at {config.router} (logs in {args.run_dir})")
+    return 0
+
+
+def cmd_down(args) -> int:
+    from ember.cluster.launcher import down
+    stopped = down(args.run_dir)
+    print(f"stopped {len(stopped)} processes" if stopped else "nothing running")
+    return 0
+
+
 def cmd_fetch_model(args) -> int:
     from ember.model.fetch import fetch_default_model
     from ember.model.loader import ensure_gguf_cache
@@ -77,8 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--router", help="HOST:PORT of a running router; default: an in-process engine")
     _add_engine_args(g)
     g.set_defaults(func=cmd_generate)
+
+    u = sub.add_parser("up", help="start the local cluster (router, prefill, decode, kvstores)")
+    u.add_argument("--config", default=str(DEFAULT_CLUSTER_CONFIG))
+    u.add_argument("--run-dir", default="runs/local")
+    u.set_defaults(func=cmd_up)
+    d = sub.add_parser("down", help="stop the local cluster")
+    d.add_argument("--run-dir", default="runs/local")
+    d.set_defaults(func=cmd_down)
 
     f = sub.add_parser("fetch-model", help="download, verify and convert the default model")
     f.set_defaults(func=cmd_fetch_model)

@@ -24,7 +24,10 @@ PROMPTS = [
     "Once upon a time, in a small village by the sea,",
     "Q: What is 17 times 3?\nA:",
     "The three primary colours are",
-    LONG_TEXT + "\n\nQuestion: What did the lighthouse keeper write down every morning?\nAnswer:",
+    # ChatML as the model's template renders it: the model answers at length (24+ tokens)
+    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    "<|im_start|>user\n" + LONG_TEXT + "\n\nWhat did the lighthouse keeper write down every morning?<|im_end|>\n"
+    "<|im_start|>assistant\n",
 ]
 
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from ember.model.loader import cache_dir_for, load_model
+from ember.model.files import cache_dir_for
+from ember.model.loader import load_model
 
 TEXTS = [
     "Hello world! 12345 don't   stop\n\n  tabs\tand émojis 🎉",

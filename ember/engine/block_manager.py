@@ -118,14 +118,13 @@ class BlockManager:
         seq.num_computed_tokens = 0
 
     # -- import of blocks computed elsewhere -----------------------------------------
-    def reserve_for_import(self, hash_: bytes, token_ids) -> int | None:
-        """A fresh block to receive imported KV for `hash_`, or None if already cached.
+    def reserve_for_import(self, hash_: bytes, token_ids) -> int:
+        """A fresh block to receive imported KV for `hash_` (not yet cached).
 
         The block is returned referenced (ref_count 1); call `publish_import` once its
         bytes are written, or `release` to give it back.
         """
-        if hash_ in self.cached:
-            return None
+        assert hash_ not in self.cached, "block is already cached"
         return self._take_fresh()
 
     def publish_import(self, block_id: int, hash_: bytes, token_ids) -> None:

@@ -185,11 +185,13 @@ class LLMEngine:
             payloads.append(self.cache.export_block(block_id))
         return payloads
 
-    def import_blocks(self, token_ids: list[int], block_hashes: list[bytes], payloads: list[bytes]) -> int:
+    def import_blocks(self, token_ids: list[int], block_hashes: list[bytes], payloads: list[bytes | None]) -> int:
         """Put the KV of the first len(block_hashes) full blocks of token_ids into the cache.
 
         The hashes are recomputed from the tokens and must match, so a block can never be
-        filed under tokens it was not computed from. Returns how many blocks were new.
+        filed under tokens it was not computed from. A payload of None means "already
+        cached here"; if it is not (evicted meanwhile), importing stops there and the rest
+        is recomputed. Returns how many blocks were new.
         """
         bs = self.config.block_size
         expected = chain_hashes(token_ids[:len(block_hashes) * bs], bs, self.block_manager.root_hash)
@@ -200,11 +202,13 @@ class LLMEngine:
         imported = 0
         for i, (h, payload) in enumerate(zip(block_hashes, payloads)):
             block_tokens = token_ids[i * bs:(i + 1) * bs]
+            if h in self.block_manager.cached:
+                continue
+            if payload is None:
+                break
             if self.block_manager.num_free_blocks == 0:
                 raise CapacityError("no free KV block to import into")
             block_id = self.block_manager.reserve_for_import(h, block_tokens)
-            if block_id is None:
-                continue
             try:
                 self.cache.import_block(block_id, payload)
             except ValueError as e:

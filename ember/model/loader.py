@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ember.model.fetch import sha256_file
+from ember.model.files import cache_dir_for, sha256_file
 from ember.model.gguf_convert import CONVERTER_VERSION, convert_gguf
 from ember.model.llama import LlamaModel, ModelArgs
 from ember.model.safetensors_io import read_safetensors
@@ -27,10 +27,6 @@ class LoadedModel:
     fingerprint: str  # content hash of the weights; part of every KV block hash
     name: str
     weights_bytes: int  # of the checkpoint in the serving dtype
-
-
-def cache_dir_for(gguf_path: Path) -> Path:
-    return gguf_path.with_name(gguf_path.stem + ".ember")
 
 
 def ensure_gguf_cache(gguf_path: Path) -> Path:

@@ -1,0 +1,126 @@
+"""`ember up` / `ember down`: the local cluster as separate processes.
+
+Each service runs as `python -m services.<name>` in its own session (it outlives the
+`ember up` command), logging to RUN_DIR/<name>.log; pids go to RUN_DIR/pids.json.
+`up` returns once every service reports SERVING on grpc.health.v1.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ember.cluster.config import ClusterConfig, load_config
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def service_commands(config: ClusterConfig, config_path: Path) -> dict[str, tuple[list[str], str]]:
+    """name -> (argv, address) for every process of the cluster."""
+    py, cfg = sys.executable, str(config_path)
+    commands = {}
+    for site in config.sites:
+        commands[f"kvstore-{site.name}"] = ([py, "-m", "services.kvstore", "--listen", site.kvstore,
+                                             "--capacity-mb", str(config.kvstore_capacity_mb)], site.kvstore)
+        if site.prefill and site.name == config.prefill_site:
+            commands[f"prefill-{site.name}"] = ([py, "-m", "services.prefill", "--config", cfg, "--site", site.name],
+                                                site.prefill)
+        if site.decode and site.name == config.decode_site:
+            commands[f"decode-{site.name}"] = ([py, "-m", "services.decode", "--config", cfg, "--site", site.name],
+                                               site.decode)
+    commands["router"] = ([py, "-m", "services.router", "--config", cfg], config.router)
+    return commands
+
+
+def wait_serving(address: str, deadline: float, proc: subprocess.Popen, log_path: Path) -> None:
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while True:
+            if proc.poll() is not None:
+                tail = log_path.read_text()[-2000:] if log_path.exists() else ""
+                raise RuntimeError(f"{log_path.stem} exited with code {proc.returncode}:\n{tail}")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{log_path.stem} at {address} not serving in time; see {log_path}")
+            time.sleep(0.2)
+
+
+def up(config_path: str | Path, run_dir: str | Path, timeout_s: float = 300) -> ClusterConfig:
+    config_path, run_dir = Path(config_path).resolve(), Path(run_dir).resolve()
+    config = load_config(config_path)
+    model = config.model_path(REPO_ROOT)
+    if model.suffix == ".gguf":  # convert once here, not racing in two engine processes
+        from ember.model.loader import ensure_gguf_cache
+        if not model.exists():
+            raise FileNotFoundError(f"model not found: {model} (run `make setup`)")
+        ensure_gguf_cache(model)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if (run_dir / "pids.json").exists():
+        down(run_dir)
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    procs: dict[str, subprocess.Popen] = {}
+    commands = service_commands(config, config_path)
+    try:
+        for name, (argv, _) in commands.items():
+            with open(run_dir / f"{name}.log", "ab") as log:
+                procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
+                                               start_new_session=True)
+            (run_dir / "pids.json").write_text(json.dumps({n: p.pid for n, p in procs.items()}))
+        deadline = time.monotonic() + timeout_s
+        for name, (_, address) in commands.items():
+            wait_serving(address, deadline, procs[name], run_dir / f"{name}.log")
+    except BaseException:
+        down(run_dir)
+        raise
+    return config
+
+
+def down(run_dir: str | Path, grace_s: float = 15) -> list[str]:
+    """SIGTERM every process of the cluster (they drain), SIGKILL what is left after grace_s."""
+    pid_file = Path(run_dir) / "pids.json"
+    if not pid_file.exists():
+        return []
+    pids = json.loads(pid_file.read_text())
+    for pid in pids.values():
+        _signal(pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(p) for p in pids.values()):
+        time.sleep(0.1)
+    for pid in pids.values():
+        _signal(pid, signal.SIGKILL)
+    pid_file.unlink()
+    return list(pids)
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        finished, _ = os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
+        if finished:
+            return False
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -1,0 +1,99 @@
+"""Map exceptions to gRPC status codes in one interceptor, so servicers stay thin."""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from ember.engine.errors import CapacityError, IntegrityError, InvalidRequestError
+
+log = logging.getLogger("ember.rpc")
+
+
+class RpcError(Exception):
+    """Raise from a servicer to answer with a specific status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def require_ready(engine) -> None:
+    if engine is None:
+        raise RpcError(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    if isinstance(exc, RpcError):
+        return exc.code, str(exc)
+    if isinstance(exc, grpc.aio.AioRpcError):  # a downstream call failed: pass its status on
+        code = exc.code()
+        if code == grpc.StatusCode.CANCELLED:
+            code = grpc.StatusCode.UNAVAILABLE
+        return code, f"{exc.details()}"
+    if isinstance(exc, IntegrityError):
+        return grpc.StatusCode.DATA_LOSS, str(exc)
+    if isinstance(exc, (InvalidRequestError, ValueError)):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, CapacityError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
+    if isinstance(exc, (ConnectionError, OSError)):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
+
+
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
+    """Turns exceptions escaping a handler into the right status and a log line."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+
+        async def abort(context, exc):
+            code, message = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("%s failed", method)
+            else:
+                log.info("%s -> %s: %s", method, code.name, message)
+            await context.abort(code, message)
+
+        def wrap_unary(fn):
+            async def wrapped(request, context):
+                try:
+                    return await fn(request, context)
+                except asyncio.CancelledError:
+                    raise
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    await abort(context, exc)
+            return wrapped
+
+        def wrap_stream(fn):
+            async def wrapped(request, context):
+                try:
+                    async for item in fn(request, context):
+                        yield item
+                except asyncio.CancelledError:
+                    raise
+                except grpc.aio.AbortError:
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    await abort(context, exc)
+            return wrapped
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(
+                wrap_unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
+        return handler

@@ -1,0 +1,69 @@
+"""Server bootstrap shared by every service: aio server on uvloop, health, reflection,
+message limits, graceful SIGTERM drain."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from ember.rpc.errors import ErrorInterceptor
+
+MAX_MESSAGE_BYTES = 64 * 2**20
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+
+
+class Server:
+    """One gRPC server; `health.set_serving()` once the service is warm."""
+
+    def __init__(self, address: str, service_names: list[str]):
+        self.address = address
+        self.service_names = service_names
+        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=CHANNEL_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(service_names + [reflection.SERVICE_NAME, health.SERVICE_NAME],
+                                            self.server)
+        if self.server.add_insecure_port(address) == 0:
+            raise OSError(f"cannot listen on {address}")
+
+    async def set_status(self, status) -> None:
+        for name in self.service_names + [""]:
+            await self.health.set(name, status)
+
+    async def run(self, warmup: Callable[[], Awaitable[None]] | None = None, grace_s: float = 10.0,
+                  on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+        await self.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.start()
+        if warmup is not None:
+            await warmup()
+        await self.set_status(health_pb2.HealthCheckResponse.SERVING)
+        logging.getLogger("ember").info("serving %s on %s", ",".join(self.service_names), self.address)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        # drain: say NOT_SERVING so balancers move away, refuse new calls, finish running ones
+        await self.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(grace_s)
+        if on_stop is not None:
+            await on_stop()
+
+
+def run_service(main: Callable[[], Awaitable[None]]) -> None:
+    """Entry point helper: logging, uvloop, run."""
+    import uvloop
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    uvloop.run(main())

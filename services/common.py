@@ -1,0 +1,31 @@
+"""Start-up shared by the engine-backed services (prefill, decode)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ember.cluster.config import ClusterConfig, load_config
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def engine_args(prog: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog)
+    p.add_argument("--config", required=True, help="cluster YAML")
+    p.add_argument("--site", required=True)
+    return p.parse_args()
+
+
+def build_engine(config: ClusterConfig):
+    from ember.engine.config import EngineConfig
+    from ember.engine.engine import LLMEngine
+    from ember.serving.async_engine import AsyncEngine
+    e = config.engine
+    engine = LLMEngine(EngineConfig(model=str(config.model_path(REPO_ROOT)), dtype=e.dtype,
+                                    kv_cache_bytes=e.kv_cache_mb * 2**20, num_threads=e.threads,
+                                    max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens))
+    return AsyncEngine(engine)
+
+
+def load(args) -> ClusterConfig:
+    return load_config(args.config)

@@ -1,0 +1,54 @@
+"""Prefill servicer: compute the uncached part of a prompt, ship new full blocks to the
+site's kvstore, return the first token."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ember.engine.engine import LLMEngine, RequestOutput
+from ember.kv.block_hash import chain_hashes
+from ember.kv.chunks import split
+from ember.rpc.convert import sampling_from_pb
+from ember.rpc.errors import require_ready
+from ember.serving.async_engine import AsyncEngine
+from ember.v1 import kvstore_pb2, kvstore_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+
+class PrefillService(prefill_pb2_grpc.PrefillServicer):
+    def __init__(self, site: str, kvstore_address: str, kvstore: kvstore_pb2_grpc.KVStoreStub):
+        self.engine: AsyncEngine | None = None  # set once the model is loaded
+        self.site = site
+        self.kvstore_address = kvstore_address
+        self.kvstore = kvstore
+
+    async def Prefill(self, request, context):
+        require_ready(self.engine)
+        params = sampling_from_pb(request.sampling)
+        prompt = list(request.token_ids)
+        engine = self.engine.engine
+        hashes = chain_hashes(prompt, engine.config.block_size, engine.block_manager.root_hash)
+        present = await self.kvstore.Lookup(kvstore_pb2.LookupRequest(block_hashes=hashes),
+                                            timeout=context.time_remaining())
+        missing = {h for h, p in zip(hashes, present.present) if not p}
+        exported: list[tuple[bytes, bytes]] = []
+
+        def export(engine: LLMEngine, out: RequestOutput) -> None:
+            # On the engine thread right after the last step: no later step can have
+            # evicted these blocks yet. Only blocks the kvstore lacks are copied out.
+            wanted = [h for h in out.block_hashes if h in missing]
+            exported.extend(zip(wanted, engine.export_blocks(wanted)))
+
+        final = None
+        async for out in self.engine.generate(prompt, replace(params, max_tokens=1), request.request_id,
+                                              on_finish=export):
+            final = out
+        stored = 0
+        if exported:
+            chunks = (kvstore_pb2.BlockChunk(block_hash=h, block_bytes=n, offset=o, data=d)
+                      for h, n, o, d in split(exported))
+            stored = (await self.kvstore.Put(chunks, timeout=context.time_remaining())).blocks_stored
+        finished = final.finish_reason == "stop" or params.max_tokens == 1
+        return prefill_pb2.PrefillResponse(
+            first_token=final.new_token_ids[0], block_hashes=hashes, kvstore_address=self.kvstore_address,
+            site=self.site, cached_tokens=final.cached_tokens, computed_tokens=len(prompt) - final.cached_tokens,
+            first_text=final.new_text, finished=finished,
+            finish_reason=final.finish_reason if finished else "", blocks_stored=stored)

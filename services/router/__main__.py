@@ -1,0 +1,35 @@
+"""python -m services.router --config CLUSTER.yaml"""
+from __future__ import annotations
+
+import argparse
+import json
+
+from ember.model.files import model_folder
+from ember.model.tokenizer import Tokenizer
+from ember.rpc.server import Server, channel, run_service
+from ember.v1 import decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
+from services.common import REPO_ROOT, load
+from services.router.service import RouterService
+
+
+async def main(args) -> None:
+    config = load(args)
+    folder = model_folder(config.model_path(REPO_ROOT))  # the loaders' HF-layout folder (torch-free read)
+    hf_config = json.loads((folder / "config.json").read_text())
+    prefill_site, decode_site = config.site(config.prefill_site), config.site(config.decode_site)
+    service = RouterService(
+        Tokenizer.from_folder(folder), model_id=folder.name.removesuffix(".ember"),
+        max_model_len=hf_config["max_position_embeddings"], vocab_size=hf_config["vocab_size"],
+        prefill=prefill_pb2_grpc.PrefillStub(channel(prefill_site.prefill)),
+        decode=decode_pb2_grpc.DecodeStub(channel(decode_site.decode)),
+        prefill_site=prefill_site.name, decode_site=decode_site.name)
+    server = Server(config.router, [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name])
+    router_pb2_grpc.add_RouterServicer_to_server(service, server.server)
+    await server.run()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(prog="services.router")
+    p.add_argument("--config", required=True)
+    args = p.parse_args()
+    run_service(lambda: main(args))

@@ -1,0 +1,100 @@
+"""Router servicer: the public API. Tokenize, place, prefill, stream the first token at
+once, then relay decode's stream; the last message carries usage, timings, placement."""
+from __future__ import annotations
+
+import time
+import uuid
+
+import grpc
+
+from ember.model.tokenizer import Tokenizer
+from ember.rpc.convert import sampling_from_pb, sampling_to_pb
+from ember.rpc.errors import RpcError
+from ember.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
+
+
+def invalid(message: str) -> RpcError:
+    return RpcError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+class RouterService(router_pb2_grpc.RouterServicer):
+    def __init__(self, tokenizer: Tokenizer, model_id: str, max_model_len: int, vocab_size: int,
+                 prefill: prefill_pb2_grpc.PrefillStub, decode: decode_pb2_grpc.DecodeStub,
+                 prefill_site: str, decode_site: str):
+        self.tokenizer = tokenizer
+        self.model_id = model_id
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.prefill, self.decode = prefill, decode
+        self.placement = common_pb2.Placement(prefill_site=prefill_site, decode_site=decode_site)
+
+    async def ListModels(self, request, context):
+        return router_pb2.ListModelsResponse(models=[router_pb2.ModelInfo(id=self.model_id,
+                                                                          context_length=self.max_model_len)])
+
+    def _prompt(self, request) -> list[int]:
+        kind = request.WhichOneof("input")
+        if kind == "text":
+            ids = self.tokenizer.encode(request.text)
+        elif kind == "chat":
+            if not request.chat.messages:
+                raise invalid("chat.messages is empty")
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
+        elif kind == "tokens":
+            ids = list(request.tokens.token_ids)
+            if any(t >= self.vocab_size for t in ids):
+                raise invalid(f"tokens.token_ids must be < vocab size {self.vocab_size}")
+        else:
+            raise invalid("input is required: set text, chat or tokens")
+        if not ids:
+            raise invalid(f"input ({kind}) is empty")
+        return ids
+
+    async def Generate(self, request, context):
+        received = time.perf_counter()
+        if request.model and request.model != self.model_id:
+            raise invalid(f"model {request.model!r} is not served here; use {self.model_id!r} (see ListModels)")
+        try:
+            params = sampling_from_pb(request.sampling)
+        except ValueError as e:
+            raise invalid(f"sampling: {e}") from e
+        prompt = self._prompt(request)
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise invalid(f"input ({len(prompt)} tokens) + sampling.max_tokens ({params.max_tokens}) exceeds the "
+                          f"context length {self.max_model_len}")
+        request_id = request.request_id or uuid.uuid4().hex
+        pb_params = sampling_to_pb(params)
+
+        pre = await self.prefill.Prefill(prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt,
+                                                                    sampling=pb_params),
+                                         timeout=context.time_remaining())
+        first_at = time.perf_counter()
+        usage = common_pb2.Usage(prompt_tokens=len(prompt), cached_tokens=pre.cached_tokens, completion_tokens=1)
+        timings = common_pb2.Timings(ttft_s=first_at - received, prefill_s=first_at - received)
+        first = router_pb2.GenerateResponse(request_id=request_id, token_ids=[pre.first_token], text=pre.first_text)
+        if pre.finished:
+            timings.e2e_s = timings.ttft_s
+            first.MergeFrom(router_pb2.GenerateResponse(finished=True, finish_reason=pre.finish_reason, usage=usage,
+                                                        timings=timings, placement=self.placement))
+            yield first
+            return
+        yield first  # the client sees the first token before decode starts
+
+        stream = self.decode.Decode(decode_pb2.DecodeRequest(
+            request_id=request_id, prompt_token_ids=prompt, first_token=pre.first_token,
+            block_hashes=pre.block_hashes, source_kvstore=pre.kvstore_address, sampling=pb_params),
+            timeout=context.time_remaining())
+        async for d in stream:
+            if d.transfer_s:
+                timings.transfer_s = d.transfer_s
+            msg = router_pb2.GenerateResponse(request_id=request_id, token_ids=d.token_ids, text=d.text)
+            if d.finished:
+                done = time.perf_counter()
+                usage.completion_tokens = d.completion_tokens
+                timings.decode_s = done - first_at
+                timings.e2e_s = done - received
+                timings.tpot_s = timings.decode_s / max(1, d.completion_tokens - 1)
+                msg.MergeFrom(router_pb2.GenerateResponse(finished=True, finish_reason=d.finish_reason, usage=usage,
+                                                          timings=timings, placement=self.placement))
+            yield msg

@@ -1,0 +1,183 @@
+"""The disaggregated path across real processes: router -> prefill -> kvstores -> decode."""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+
+from ember.client import RouterClient
+from ember.cluster.launcher import down, up
+from ember.engine.sampling_params import SamplingParams
+from ember.rpc.server import CHANNEL_OPTIONS
+from ember.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
+from tests.cluster_fixture import free_port, write_config
+from tests.conftest import LONG_TEXT, PROMPTS
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, model_path):
+    run_dir = tmp_path_factory.mktemp("cluster")
+    addr = write_config(run_dir / "cluster.yaml")
+    up(run_dir / "cluster.yaml", run_dir, timeout_s=240)
+    try:
+        yield addr
+    finally:
+        down(run_dir)
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with RouterClient(cluster["router"]) as c:
+        yield c
+
+
+def kv_stats(address: str) -> kvstore_pb2.StatsResponse:
+    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+        return kvstore_pb2_grpc.KVStoreStub(ch).Stats(kvstore_pb2.StatsRequest(), timeout=10)
+
+
+def decode_stats(address: str) -> decode_pb2.DecodeStatsResponse:
+    with grpc.insecure_channel(address) as ch:
+        return decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.DecodeStatsRequest(), timeout=10)
+
+
+def local_greedy(engine, ids: list[int], max_tokens: int) -> list[int]:
+    return engine.generate([ids], SamplingParams(max_tokens=max_tokens))[0].token_ids
+
+
+@pytest.mark.parametrize("prompt", [PROMPTS[0], PROMPTS[-1]], ids=["short", "long"])
+def test_disaggregated_greedy_equals_local_engine_and_transformers(client, engine, hf_greedy, prompt):
+    ids = engine.tokenizer.encode(prompt)
+    out = client.complete(token_ids=ids, max_tokens=16, timeout=120)
+    assert out.token_ids == local_greedy(engine, ids, 16)
+    assert out.token_ids == hf_greedy(ids, 16)[:len(out.token_ids)]
+    final = out.final
+    assert final.finished and final.usage.prompt_tokens == len(ids)
+    assert final.usage.completion_tokens == len(out.token_ids)
+    assert final.placement.prefill_site == "central" and final.placement.decode_site == "edge"
+    assert final.timings.ttft_s > 0 and final.timings.e2e_s >= final.timings.ttft_s
+    if len(ids) > 1000:
+        assert final.timings.transfer_s > 0
+
+
+def test_chat_text_matches_local_engine(client, engine):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = client.complete(messages=messages, max_tokens=20, timeout=60)
+    [want] = engine.generate([engine.tokenizer.apply_chat_template(messages)], SamplingParams(max_tokens=20))
+    assert out.token_ids == want.token_ids and out.text == want.text and "Paris" in out.text
+
+
+def test_16_concurrent_streams_are_all_correct(client, engine):
+    prompts = [engine.tokenizer.encode(f"Fact number {i}: the {w} is") for i, w in
+               enumerate(["sun", "moon", "sea", "river", "forest", "desert", "city", "mountain"] * 2)]
+    with ThreadPoolExecutor(16) as pool:
+        outs = list(pool.map(lambda ids: client.complete(token_ids=ids, max_tokens=12, timeout=180), prompts))
+    for ids, out in zip(prompts, outs):
+        assert out.token_ids == local_greedy(engine, ids, 12)
+
+
+def test_second_turn_moves_only_new_blocks(client, cluster, engine):
+    turn1 = engine.tokenizer.encode(LONG_TEXT[:1600] + "\nQ: How many boats?")
+    before = kv_stats(cluster["kv_edge"])
+    first = client.complete(token_ids=turn1, max_tokens=8, ignore_eos=True, timeout=120)
+    mid = kv_stats(cluster["kv_edge"])
+    turn2 = turn1 + first.token_ids + engine.tokenizer.encode("\nQ: And what rose higher than anyone remembered?")
+    second = client.complete(token_ids=turn2, max_tokens=8, ignore_eos=True, timeout=120)
+    after = kv_stats(cluster["kv_edge"])
+    block_bytes = 16 * 46080
+    assert mid.blocks_pulled - before.blocks_pulled == len(turn1) // 16
+    # Turn 2 needs its new full blocks. The first of them (turn 1's tail + its answer) was
+    # computed by decode itself and is still in its pool, so at most the rest crosses.
+    new_blocks = len(turn2) // 16 - len(turn1) // 16
+    pulled = after.blocks_pulled - mid.blocks_pulled
+    assert 1 <= pulled <= new_blocks, "only the delta crosses sites"
+    assert after.bytes_pulled - mid.bytes_pulled == pulled * block_bytes
+    # prefill computed only what was not cached: all of turn 1's full blocks were reused
+    assert second.final.usage.cached_tokens == (len(turn1) // 16) * 16
+    [want] = engine.generate([turn2], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert second.token_ids == want.token_ids
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"text": ""}, "input"),
+    ({"token_ids": [5] * 8190, "max_tokens": 50}, "context length"),
+    ({"text": "hi", "temperature": -1.0}, "temperature"),
+    ({"text": "hi", "top_p": 1.5}, "top_p"),
+    ({"text": "hi", "max_tokens": 0}, "max_tokens"),
+    ({}, "input"),
+])
+def test_invalid_requests_are_invalid_argument(client, kwargs, field):
+    with pytest.raises(grpc.RpcError) as e:
+        list(client.stream(**kwargs, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in e.value.details()
+
+
+def test_unknown_model_is_invalid_argument(cluster):
+    from ember.v1 import common_pb2, router_pb2, router_pb2_grpc
+    with grpc.insecure_channel(cluster["router"]) as ch:
+        req = router_pb2.GenerateRequest(model="gpt-17", text="hi", sampling=common_pb2.SamplingParams(max_tokens=4))
+        with pytest.raises(grpc.RpcError) as e:
+            list(router_pb2_grpc.RouterStub(ch).Generate(req, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "model" in e.value.details()
+
+
+def test_expired_deadline_is_deadline_exceeded_and_frees_decode(client, cluster):
+    start = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        list(client.stream(text="Count from one to one thousand:", max_tokens=400, ignore_eos=True, timeout=1.5))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - start < 10
+    wait_for_idle_decode(cluster["decode"])
+
+
+def test_client_cancel_mid_stream_frees_the_sequence(client, cluster):
+    stream = client.stream(text="Write a long story about a dragon.", max_tokens=400, ignore_eos=True, timeout=120)
+    got = 0
+    for msg in stream:
+        got += len(msg.token_ids)
+        if got >= 5:
+            break
+    busy = decode_stats(cluster["decode"])
+    assert busy.running == 1 and busy.used_blocks > 0
+    stream.cancel()
+    wait_for_idle_decode(cluster["decode"])
+
+
+def wait_for_idle_decode(address: str, timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        s = decode_stats(address)
+        if s.running == 0 and s.waiting == 0 and s.used_blocks == 0:
+            return
+        assert time.monotonic() < deadline, f"decode did not return to idle: {s}"
+        time.sleep(0.2)
+
+
+def test_pull_from_a_dead_peer_is_unavailable_not_a_hang(cluster):
+    dead = f"127.0.0.1:{free_port()}"
+    start = time.monotonic()
+    with grpc.insecure_channel(cluster["kv_edge"]) as ch:
+        with pytest.raises(grpc.RpcError) as e:
+            kvstore_pb2_grpc.KVStoreStub(ch).Pull(
+                kvstore_pb2.PullRequest(block_hashes=[b"\x01" * 16], source=dead), timeout=20)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - start < 15
+
+
+def test_concurrent_streams_survive_one_cancel(client, engine):
+    ids = engine.tokenizer.encode(PROMPTS[2])
+    results = {}
+
+    def run():
+        results["out"] = client.complete(token_ids=ids, max_tokens=12, timeout=120)
+    t = threading.Thread(target=run)
+    t.start()
+    stream = client.stream(text="Another request that will be cancelled", max_tokens=100, timeout=60)
+    next(iter(stream))
+    stream.cancel()
+    t.join(timeout=120)
+    assert results["out"].token_ids == local_greedy(engine, ids, 12)
