@@ -101,8 +101,12 @@ def cmd_fetch_model(args) -> int:
 
 
 def cmd_bench(args) -> int:
+    args.output = args.output or f"bench-out/{args.what}.json"
     if args.what == "engine":
         from ember.bench.engine_bench import main as bench_main
+        return bench_main(args)
+    if args.what == "disagg":
+        from ember.bench.disagg_bench import main as bench_main
         return bench_main(args)
     raise SystemExit(f"unknown benchmark {args.what!r}")
 
@@ -136,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     f.set_defaults(func=cmd_fetch_model)
 
     b = sub.add_parser("bench", help="benchmarks that write JSON")
-    b.add_argument("what", choices=["engine"])
-    b.add_argument("--output", default="bench-out/engine.json")
+    b.add_argument("what", choices=["engine", "disagg"])
+    b.add_argument("--output", default=None, help="JSON path (default bench-out/WHAT.json)")
     b.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     _add_engine_args(b)
     b.set_defaults(func=cmd_bench)

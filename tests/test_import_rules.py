@@ -5,8 +5,16 @@ import subprocess
 import sys
 from pathlib import Path
 
-TORCH_FREE = ["ember.kv.block_hash", "ember.engine.block_manager", "ember.engine.scheduler",
-              "ember.engine.sampling_params", "ember.engine.sequence", "ember.engine.detokenizer"]
+TORCH_FREE = ["ember.kv.block_hash", "ember.kv.chunks", "ember.kv.transfer", "ember.kv.bulk",
+              "ember.engine.block_manager", "ember.engine.scheduler", "ember.engine.sampling_params",
+              "ember.engine.sequence", "ember.engine.detokenizer", "ember.model.tokenizer", "ember.model.files",
+              "ember.cluster.config", "services.kvstore.store", "services.kvstore.service", "services.router.service"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def imports_of(path: Path) -> list[str]:
+    return [line.split()[1] for line in path.read_text().splitlines()
+            if line.startswith(("import ", "from ")) and len(line.split()) > 1]
 
 
 def test_bookkeeping_modules_do_not_import_torch():
@@ -16,8 +24,22 @@ def test_bookkeeping_modules_do_not_import_torch():
 
 
 def test_ember_never_imports_services():
-    root = Path(__file__).resolve().parents[1] / "ember"
-    offenders = [str(p) for p in root.rglob("*.py")
+    offenders = [str(p) for p in (ROOT / "ember").rglob("*.py")
                  if any(line.lstrip().startswith(("import services", "from services"))
                         for line in p.read_text().splitlines())]
     assert offenders == []
+
+
+def test_services_never_import_each_other():
+    for service in ("router", "prefill", "decode", "kvstore"):
+        for path in (ROOT / "services" / service).rglob("*.py"):
+            others = [m for m in imports_of(path) if m.startswith("services.")
+                      and m.split(".")[1] not in (service, "common")]
+            assert others == [], f"{path} imports {others}"
+
+
+def test_core_never_touches_generated_stubs_or_grpc():
+    for package in ("engine", "model", "kernels"):
+        for path in (ROOT / "ember" / package).rglob("*.py"):
+            bad = [m for m in imports_of(path) if m.startswith(("ember.v1", "grpc"))]
+            assert bad == [], f"{path} imports {bad}"

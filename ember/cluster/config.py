@@ -22,10 +22,12 @@ class Site(BaseModel):
     model_config = ConfigDict(extra="forbid")
     name: str
     kvstore: str
+    kvstore_data: str | None = None  # TCP data plane for bulk block moves
     prefill: str | None = None
     decode: str | None = None
 
-    _check = field_validator("kvstore", "prefill", "decode")(lambda cls, v: v if v is None else _address(v))
+    _check = field_validator("kvstore", "kvstore_data", "prefill", "decode")(
+        lambda cls, v: v if v is None else _address(v))
 
 
 class EngineSettings(BaseModel):

@@ -27,8 +27,11 @@ def service_commands(config: ClusterConfig, config_path: Path) -> dict[str, tupl
     py, cfg = sys.executable, str(config_path)
     commands = {}
     for site in config.sites:
-        commands[f"kvstore-{site.name}"] = ([py, "-m", "services.kvstore", "--listen", site.kvstore,
-                                             "--capacity-mb", str(config.kvstore_capacity_mb)], site.kvstore)
+        argv = [py, "-m", "services.kvstore", "--listen", site.kvstore,
+                "--capacity-mb", str(config.kvstore_capacity_mb)]
+        if site.kvstore_data:
+            argv += ["--data-listen", site.kvstore_data]
+        commands[f"kvstore-{site.name}"] = (argv, site.kvstore)
         if site.prefill and site.name == config.prefill_site:
             commands[f"prefill-{site.name}"] = ([py, "-m", "services.prefill", "--config", cfg, "--site", site.name],
                                                 site.prefill)

@@ -45,5 +45,7 @@ class PagedKVCache:
     def import_block(self, block_id: int, payload: bytes | bytearray | memoryview) -> None:
         if len(payload) != self.layout.block_bytes:
             raise ValueError(f"KV block payload is {len(payload)} bytes, layout needs {self.layout.block_bytes}")
-        src = torch.frombuffer(bytearray(payload), dtype=self.dtype).view(self.block_shape)
+        if isinstance(payload, bytes) or (isinstance(payload, memoryview) and payload.readonly):
+            payload = bytearray(payload)  # torch.frombuffer needs writable memory
+        src = torch.frombuffer(payload, dtype=self.dtype).view(self.block_shape)
         self.kv[:, :, block_id].copy_(src)

@@ -38,6 +38,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, KeyError):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
         return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
     if isinstance(exc, (ConnectionError, OSError)):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 
 from ember.rpc.server import Server, channel, run_service
-from ember.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2_grpc
+from ember.v1 import decode_pb2, decode_pb2_grpc
 from services.common import build_engine, engine_args, load
 from services.decode.service import DecodeService
 
@@ -13,7 +13,7 @@ async def main(args) -> None:
     config = load(args)
     site = config.site(args.site)
     server = Server(site.decode, [decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name])
-    service = DecodeService(kvstore_pb2_grpc.KVStoreStub(channel(site.kvstore)))
+    service = DecodeService(channel(site.kvstore))
     decode_pb2_grpc.add_DecodeServicer_to_server(service, server.server)
 
     async def warmup():  # health says NOT_SERVING until this returns

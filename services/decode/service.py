@@ -7,7 +7,7 @@ from dataclasses import replace
 import grpc
 
 from ember.engine.engine import LLMEngine
-from ember.kv.chunks import Assembler
+from ember.kv import bulk
 from ember.rpc.convert import sampling_from_pb
 from ember.rpc.errors import RpcError, require_ready
 from ember.serving.async_engine import AsyncEngine
@@ -15,9 +15,10 @@ from ember.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 
 
 class DecodeService(decode_pb2_grpc.DecodeServicer):
-    def __init__(self, kvstore: kvstore_pb2_grpc.KVStoreStub):
+    def __init__(self, kvstore_channel: grpc.aio.Channel):
         self.engine: AsyncEngine | None = None  # set once the model is loaded
-        self.kvstore = kvstore
+        self.kvstore_channel = kvstore_channel
+        self.kvstore = kvstore_pb2_grpc.KVStoreStub(kvstore_channel)
 
     async def Decode(self, request, context):
         require_ready(self.engine)
@@ -34,13 +35,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             # only the delta crosses sites: the local store pulls what it lacks from the source
             pulled = await self.kvstore.Pull(kvstore_pb2.PullRequest(block_hashes=need, source=request.source_kvstore),
                                              timeout=context.time_remaining())
-            assembler = Assembler()
-            async for chunk in self.kvstore.Get(kvstore_pb2.GetRequest(block_hashes=need),
-                                                timeout=context.time_remaining()):
-                block = assembler.add(chunk.block_hash, chunk.block_bytes, chunk.offset, chunk.data)
-                if block is not None:
-                    payloads[block[0]] = block[1]
-            assembler.finish()
+            async for block_hash, payload in bulk.fetch(self.kvstore_channel, need, timeout=context.time_remaining()):
+                payloads[block_hash] = payload
 
         def import_kv(engine: LLMEngine) -> None:
             engine.import_blocks(prompt, hashes, [payloads.get(h) for h in hashes])

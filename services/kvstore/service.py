@@ -6,6 +6,7 @@ import time
 
 import grpc
 
+from ember.kv import bulk, transfer
 from ember.kv.chunks import Assembler, split
 from ember.rpc.errors import RpcError
 from ember.rpc.server import channel
@@ -14,14 +15,16 @@ from services.kvstore.store import BlockStore
 
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
-    def __init__(self, store: BlockStore):
+    def __init__(self, store: BlockStore, data_address: str = ""):
         self.store = store
-        self._peers: dict[str, kvstore_pb2_grpc.KVStoreStub] = {}
+        self.data_address = data_address
+        self._peer_data: dict[str, str] = {}  # peer gRPC address -> its data plane address
+        self._peers: dict[str, grpc.aio.Channel] = {}
         self._inflight: dict[bytes, asyncio.Future] = {}  # one fetch per block at a time
 
-    def _peer(self, address: str) -> kvstore_pb2_grpc.KVStoreStub:
+    def _peer(self, address: str) -> grpc.aio.Channel:
         if address not in self._peers:
-            self._peers[address] = kvstore_pb2_grpc.KVStoreStub(channel(address))
+            self._peers[address] = channel(address)
         return self._peers[address]
 
     async def Lookup(self, request, context):
@@ -47,21 +50,27 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             raise RpcError(grpc.StatusCode.DATA_LOSS, f"block stream cut short: {e}") from e
         return kvstore_pb2.PutResponse(blocks_stored=stored, blocks_present=present)
 
-    def _put(self, block_hash: bytes, payload: bytes) -> bool:
+    def _put(self, block_hash: bytes, payload) -> bool:
         try:
             return self.store.put(block_hash, payload)
         except MemoryError as e:
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
 
+    def _reserve(self, num_bytes: int) -> tuple[int, memoryview]:
+        try:
+            slot = self.store.reserve(num_bytes)
+        except MemoryError as e:
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
+        return slot, self.store.view(slot)
+
     async def Get(self, request, context):
-        blocks = []
-        for h in request.block_hashes:
-            payload = self.store.get(h)
-            if payload is None:
-                raise RpcError(grpc.StatusCode.NOT_FOUND, f"block {h.hex()} is not in this store")
-            blocks.append((h, payload))  # taken up front: an eviction mid-stream cannot cut it
-        for block_hash, total, offset, data in split(blocks):
-            yield kvstore_pb2.BlockChunk(block_hash=block_hash, block_bytes=total, offset=offset, data=data)
+        hashes = list(request.block_hashes)
+        with self.store.pinned(hashes) as payloads:  # no slot is reused while it streams out
+            for h, payload in zip(hashes, payloads):
+                if payload is None:
+                    raise RpcError(grpc.StatusCode.NOT_FOUND, f"block {h.hex()} is not in this store")
+            for block_hash, total, offset, data in split(zip(hashes, payloads)):
+                yield kvstore_pb2.BlockChunk(block_hash=block_hash, block_bytes=total, offset=offset, data=data)
 
     async def Pull(self, request, context):
         start = time.perf_counter()
@@ -76,17 +85,10 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             futures = {h: loop.create_future() for h in missing}
             self._inflight.update(futures)
             try:
-                timeout = context.time_remaining()
-                stream = self._peer(request.source).Get(kvstore_pb2.GetRequest(block_hashes=missing), timeout=timeout)
-                assembler = Assembler()
-                async for chunk in stream:
-                    block = assembler.add(chunk.block_hash, chunk.block_bytes, chunk.offset, chunk.data)
-                    if block is not None:
-                        self._put(*block)
-                        pulled_blocks += 1
-                        pulled_bytes += len(block[1])
-                        futures[block[0]].set_result(True)
-                assembler.finish()
+                async for block_hash, payload in self._fetch(request.source, missing, context.time_remaining()):
+                    pulled_blocks += 1
+                    pulled_bytes += len(payload)
+                    futures[block_hash].set_result(True)
             finally:
                 for h, f in futures.items():
                     self._inflight.pop(h, None)
@@ -99,9 +101,28 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         return kvstore_pb2.PullResponse(blocks_pulled=pulled_blocks, blocks_present=len(hashes) - pulled_blocks,
                                         bytes_pulled=pulled_bytes, seconds=time.perf_counter() - start)
 
+    async def _fetch(self, source: str, hashes: list[bytes], timeout: float | None):
+        """Store blocks from a peer, yielding (hash, payload) as each lands: over the peer's
+        TCP data plane straight into store slots when it has one, else gRPC bulk."""
+        if source not in self._peer_data:
+            stats = await kvstore_pb2_grpc.KVStoreStub(self._peer(source)).Stats(kvstore_pb2.StatsRequest(),
+                                                                                 timeout=timeout)
+            self._peer_data[source] = stats.data_address
+        data_address = self._peer_data[source]
+        if data_address:
+            async for block_hash, slot, view in transfer.fetch(data_address, hashes, timeout,
+                                                               alloc=self._reserve, release=self.store.release):
+                self.store.commit(block_hash, slot)
+                yield block_hash, view
+        else:
+            async for block_hash, payload in bulk.fetch(self._peer(source), hashes, timeout):
+                self._put(block_hash, payload)
+                yield block_hash, payload
+
     async def Stats(self, request, context):
         s = self.store.stats
         return kvstore_pb2.StatsResponse(
             blocks=len(self.store.blocks), bytes=self.store.bytes, capacity_bytes=self.store.capacity_bytes,
             hits=s.hits, misses=s.misses, evictions=s.evictions, blocks_pulled=s.blocks_pulled,
-            bytes_pulled=s.bytes_pulled, blocks_put=s.blocks_put, blocks_served=s.blocks_served)
+            bytes_pulled=s.bytes_pulled, blocks_put=s.blocks_put, blocks_served=s.blocks_served,
+            data_address=self.data_address)

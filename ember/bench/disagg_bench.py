@@ -1,0 +1,135 @@
+"""`ember bench disagg`: the disaggregated path (router -> prefill -> kvstores -> decode,
+separate processes) beside Ember colocated (one in-process engine), same machine, same
+prompts; plus kvstore-to-kvstore pull throughput against raw loopback TCP."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from ember.bench.engine_bench import random_prompts
+from ember.bench.measure import progress
+from ember.client import RouterClient
+from ember.cluster.launcher import down, up
+from ember.cluster.ports import write_local_config
+from ember.kv.chunks import split
+from ember.rpc.server import CHANNEL_OPTIONS
+from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+
+def disagg_request(client: RouterClient, ids: list[int], new_tokens: int) -> dict:
+    start = time.perf_counter()
+    ttft = None
+    for msg in client.stream(token_ids=ids, max_tokens=new_tokens, ignore_eos=True, timeout=600):
+        if ttft is None:
+            ttft = time.perf_counter() - start
+        final = msg
+    t = final.timings
+    return {"ttft_s": ttft, "e2e_s": time.perf_counter() - start, "transfer_s": t.transfer_s,
+            "server_ttft_s": t.ttft_s, "tpot_s": t.tpot_s}
+
+
+def colocated_request(engine, ids: list[int], new_tokens: int) -> dict:
+    from ember.engine.sampling_params import SamplingParams
+    start = time.perf_counter()
+    engine.add_request(ids, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
+    ttft = None
+    while engine.has_unfinished():
+        if engine.step() and ttft is None:
+            ttft = time.perf_counter() - start
+    e2e = time.perf_counter() - start
+    return {"ttft_s": ttft, "e2e_s": e2e, "tpot_s": (e2e - ttft) / max(1, new_tokens - 1)}
+
+
+def kv_pull_throughput(addr: dict, num_blocks: int, block_bytes: int) -> dict:
+    blocks = [(os.urandom(16), os.urandom(block_bytes)) for _ in range(num_blocks)]
+    with grpc.insecure_channel(addr["kv_central"], options=CHANNEL_OPTIONS) as ch:
+        chunks = (kvstore_pb2.BlockChunk(block_hash=h, block_bytes=n, offset=o, data=d) for h, n, o, d in split(blocks))
+        kvstore_pb2_grpc.KVStoreStub(ch).Put(chunks, timeout=120)
+    with grpc.insecure_channel(addr["kv_edge"], options=CHANNEL_OPTIONS) as ch:
+        pulled = kvstore_pb2_grpc.KVStoreStub(ch).Pull(
+            kvstore_pb2.PullRequest(block_hashes=[h for h, _ in blocks], source=addr["kv_central"]), timeout=120)
+    return {"blocks": pulled.blocks_pulled, "bytes": pulled.bytes_pulled, "seconds": pulled.seconds,
+            "GiBps": pulled.bytes_pulled / pulled.seconds / 2**30}
+
+
+def raw_tcp_throughput(total_bytes: int, chunk_bytes: int = 1 << 20) -> float:
+    """Loopback TCP ceiling measured now (GiB/s), one sender thread, one receiver."""
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    payload = os.urandom(chunk_bytes)
+
+    def send():
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            for _ in range(total_bytes // chunk_bytes):
+                s.sendall(payload)
+    sender = threading.Thread(target=send)
+    sender.start()
+    conn, _ = server.accept()
+    buf, got, start = bytearray(chunk_bytes), 0, time.perf_counter()
+    while got < total_bytes // chunk_bytes * chunk_bytes:
+        n = conn.recv_into(buf)
+        if n == 0:
+            break
+        got += n
+    seconds = time.perf_counter() - start
+    sender.join()
+    conn.close()
+    server.close()
+    return got / seconds / 2**30
+
+
+def main(args) -> int:
+    from ember.engine.config import EngineConfig
+    from ember.engine.engine import LLMEngine
+    lengths, new_tokens, reps = ((128, 512), 8, 1) if args.quick else ((512, 2048), 32, 3)
+    threads = args.threads or 2
+    result = {"threads_per_process": threads, "new_tokens": new_tokens, "runs": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp)
+        addr = write_local_config(run_dir / "cluster.yaml", str(Path(args.model).resolve()), kvstore_capacity_mb=1024,
+                                  kv_cache_mb=args.kv_cache_mb, threads=threads)
+        progress("starting the local cluster")
+        up(run_dir / "cluster.yaml", run_dir, timeout_s=300)
+        try:
+            progress("colocated engine: loading")
+            engine = LLMEngine(EngineConfig(model=args.model, num_threads=threads,
+                                            kv_cache_bytes=args.kv_cache_mb * 2**20))
+            with RouterClient(addr["router"]) as client:
+                client.complete(text="warm up", max_tokens=2, timeout=120)
+                colocated_request(engine, [5, 6, 7], 2)
+                for n in lengths:
+                    prompts = random_prompts(2 * reps, n, seed=n)  # fresh prompts: no cache hits
+                    rows = {"disaggregated": [], "colocated": []}
+                    for i in range(reps):  # alternate so both see the same machine state
+                        progress(f"{n}-token prompt, rep {i + 1}/{reps}")
+                        rows["disaggregated"].append(disagg_request(client, prompts[2 * i], new_tokens))
+                        rows["colocated"].append(colocated_request(engine, prompts[2 * i + 1], new_tokens))
+                    result["runs"][str(n)] = {mode: {k: statistics.median(r[k] for r in rs) for k in rs[0]}
+                                              for mode, rs in rows.items()}
+            block_bytes = engine.layout.block_bytes
+            progress("kvstore -> kvstore pull throughput")
+            result["kv_pull"] = kv_pull_throughput(addr, 256, block_bytes)
+            result["raw_tcp_GiBps"] = raw_tcp_throughput(256 * block_bytes)
+        finally:
+            down(run_dir)
+    ratios = {n: r["disaggregated"]["ttft_s"] / r["colocated"]["ttft_s"] for n, r in result["runs"].items()}
+    result["targets"] = {
+        "disagg_ttft_over_colocated": {"value": {n: round(v, 3) for n, v in ratios.items()}, "target": 1.1,
+                                       "met": all(v <= 1.1 for v in ratios.values())},
+        "kvstore_to_kvstore_GiBps": {"value": round(result["kv_pull"]["GiBps"], 3), "target": 1.0,
+                                     "met": result["kv_pull"]["GiBps"] >= 1.0},
+    }
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result["targets"], indent=2))
+    progress(f"wrote {out}")
+    return 0

@@ -1,0 +1,35 @@
+"""Free loopback ports and a cluster config laid out on them (tests and benchmarks)."""
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import yaml
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_local_config(path: Path, model: str, kvstore_capacity_mb: int = 256, **engine) -> dict[str, str]:
+    """A two-site cluster config on free ports; returns the addresses by role."""
+    addr = {name: f"127.0.0.1:{free_port()}"
+            for name in ("router", "prefill", "decode", "kv_central", "kv_edge", "kv_central_data", "kv_edge_data")}
+    config = {
+        "model": model,
+        "router": addr["router"],
+        "prefill_site": "central",
+        "decode_site": "edge",
+        "sites": [
+            {"name": "central", "prefill": addr["prefill"], "kvstore": addr["kv_central"],
+             "kvstore_data": addr["kv_central_data"]},
+            {"name": "edge", "decode": addr["decode"], "kvstore": addr["kv_edge"],
+             "kvstore_data": addr["kv_edge_data"]},
+        ],
+        "engine": {"kv_cache_mb": 128, "threads": 1, **engine},
+        "kvstore_capacity_mb": kvstore_capacity_mb,
+    }
+    path.write_text(yaml.safe_dump(config))
+    return addr
