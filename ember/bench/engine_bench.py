@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ember.bench.measure import matmul_gflops, median_time, progress
+from ember.bench.measure import matmul_gflops, progress
 from ember.engine.config import EngineConfig
 from ember.engine.engine import LLMEngine
 from ember.engine.sampling_params import SamplingParams
@@ -39,47 +40,72 @@ def random_prompts(count: int, length: int, seed: int) -> list[list[int]]:
     return [torch.randint(100, 40000, (length,), generator=g).tolist() for _ in range(count)]
 
 
-def ember_prefill(engine: LLMEngine, length: int, seed: int) -> float:
-    prompts = iter(random_prompts(4, length, seed))  # fresh prompt each time: no cache hits
-    seconds = median_time(lambda: engine.generate([next(prompts)], SamplingParams(max_tokens=1)), reps=3)
-    return length / seconds
+class EmberSystem:
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
 
-
-def ember_decode(engine: LLMEngine, batch: int, new_tokens: int, seed: int) -> float:
-    for p in random_prompts(batch, 64, seed):
-        engine.add_request(p, SamplingParams(max_tokens=new_tokens + 1, ignore_eos=True))
-    produced = 0
-    while produced < batch:  # prefill (and first token) of every sequence
-        produced += len(engine.step())
-    start, produced = time.perf_counter(), 0
-    while engine.has_unfinished():
-        produced += len(engine.step())
-    return produced / (time.perf_counter() - start)
-
-
-def hf_prefill(model, length: int, seed: int) -> float:
-    prompts = iter(random_prompts(4, length, seed))
-
-    def run():
-        ids = torch.tensor([next(prompts)])
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False)
-    with torch.inference_mode():
-        return length / median_time(run, reps=3)
-
-
-def hf_decode(model, batch: int, new_tokens: int, seed: int) -> float:
-    ids = torch.tensor(random_prompts(batch, 64, seed))
-    mask = torch.ones_like(ids)
-
-    def gen(n):
+    def prefill_seconds(self, prompt: list[int]) -> float:
         start = time.perf_counter()
-        model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                       pad_token_id=0)
+        self.engine.generate([prompt], SamplingParams(max_tokens=1))
         return time.perf_counter() - start
-    with torch.inference_mode():
-        gen(2)
-        decode_seconds = gen(new_tokens + 1) - gen(1)
-    return batch * new_tokens / decode_seconds
+
+    def decode_tok_s(self, prompts: list[list[int]], new_tokens: int) -> float:
+        for p in prompts:
+            self.engine.add_request(p, SamplingParams(max_tokens=new_tokens + 1, ignore_eos=True))
+        produced = 0
+        while produced < len(prompts):  # prefill (and first token) of every sequence
+            produced += len(self.engine.step())
+        start, produced = time.perf_counter(), 0
+        while self.engine.has_unfinished():
+            produced += len(self.engine.step())
+        return produced / (time.perf_counter() - start)
+
+
+class TransformersSystem:
+    def __init__(self, model):
+        self.model = model
+
+    def _generate(self, ids: torch.Tensor, n: int) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+
+    def prefill_seconds(self, prompt: list[int]) -> float:
+        return self._generate(torch.tensor([prompt]), 1)
+
+    def decode_tok_s(self, prompts: list[list[int]], new_tokens: int) -> float:
+        ids = torch.tensor(prompts)
+        decode_seconds = self._generate(ids, new_tokens + 1) - self._generate(ids, 1)
+        return len(prompts) * new_tokens / decode_seconds
+
+
+def compare(systems: dict, lengths, batches, new_tokens: int, reps: int) -> dict:
+    """Every measurement alternates between the systems, rep by rep, so a noisy spell on
+    this shared machine hits them alike; medians are reported."""
+    out = {name: {"prefill_tok_s": {}, "decode_tok_s": {}} for name in systems}
+    for n in lengths:
+        prompts = random_prompts(reps * len(systems) + 1, n, seed=n)  # fresh prompts: no cache hits
+        for system in systems.values():
+            system.prefill_seconds(prompts[-1][: n // 4])  # warm up this shape family
+        samples = {name: [] for name in systems}
+        for rep in range(reps):
+            for i, (name, system) in enumerate(systems.items()):
+                progress(f"prefill {n}: {name} (rep {rep + 1}/{reps})")
+                samples[name].append(n / system.prefill_seconds(prompts[rep * len(systems) + i]))
+        for name in systems:
+            out[name]["prefill_tok_s"][str(n)] = statistics.median(samples[name])
+    for b in batches:
+        samples = {name: [] for name in systems}
+        for rep in range(reps):
+            prompts = random_prompts(b, 64, seed=1000 * b + rep)
+            for name, system in systems.items():
+                progress(f"decode x{b}: {name} (rep {rep + 1}/{reps})")
+                samples[name].append(system.decode_tok_s(prompts, new_tokens))
+        for name in systems:
+            out[name]["decode_tok_s"][str(b)] = statistics.median(samples[name])
+    return out
 
 
 def run_serve_probe(model: str, kv_cache_mb: int, threads: int) -> dict:
@@ -88,40 +114,6 @@ def run_serve_probe(model: str, kv_cache_mb: int, threads: int) -> dict:
     runs = [json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600).stdout)
             for _ in range(2)]
     return runs[-1] | {"startup_to_first_token_s_first_run": runs[0]["startup_to_first_token_s"]}
-
-
-def bench_ember(model: str, dtype: str, threads: int, kv_cache_mb: int, quick: bool) -> dict:
-    progress(f"ember {dtype}: loading")
-    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, num_threads=threads,
-                                    kv_cache_bytes=kv_cache_mb * 2**20))
-    lengths, batches, new_tokens = ((128, 512), (1, 8), 8) if quick else ((512, 2048), (1, 8, 32), 48)
-    out = {"kernels": engine.kernels, "prefill_tok_s": {}, "decode_tok_s": {}, "prefill_gflops": {}}
-    for n in lengths:
-        progress(f"ember {dtype}: prefill {n}")
-        rate = ember_prefill(engine, n, seed=n)
-        out["prefill_tok_s"][str(n)] = rate
-        out["prefill_gflops"][str(n)] = prefill_flops(engine.loaded.args, n) / (n / rate) / 1e9
-    for b in batches:
-        progress(f"ember {dtype}: decode x{b}")
-        out["decode_tok_s"][str(b)] = ember_decode(engine, b, new_tokens, seed=1000 + b)
-    return out
-
-
-def bench_transformers(model_path: Path, threads: int, quick: bool) -> dict:
-    from transformers import AutoModelForCausalLM
-    progress("transformers: loading")
-    torch.set_num_threads(threads)
-    model = AutoModelForCausalLM.from_pretrained(model_path.parent, gguf_file=model_path.name,
-                                                 dtype=torch.float32).eval()
-    lengths, batches, new_tokens = ((128, 512), (1, 8), 8) if quick else ((512, 2048), (1, 8, 32), 48)
-    out = {"prefill_tok_s": {}, "decode_tok_s": {}}
-    for n in lengths:
-        progress(f"transformers: prefill {n}")
-        out["prefill_tok_s"][str(n)] = hf_prefill(model, n, seed=n)
-    for b in batches:
-        progress(f"transformers: decode x{b}")
-        out["decode_tok_s"][str(b)] = hf_decode(model, b, new_tokens, seed=1000 + b)
-    return out
 
 
 def targets(result: dict) -> dict:
@@ -148,20 +140,35 @@ def targets(result: dict) -> dict:
 
 
 def main(args) -> int:
+    from transformers import AutoModelForCausalLM
     threads = args.threads or os.cpu_count() or 1
     model = Path(args.model)
+    lengths, batches, new_tokens, reps = ((128, 512), (1, 8), 8, 1) if args.quick else ((512, 2048), (1, 8, 32), 48, 3)
     result = {
         "machine": {"cpu_count": os.cpu_count(), "threads": threads, "platform": platform.platform(),
                     "torch": torch.__version__},
-        "model": model.name,
+        "model": model.name, "new_tokens": new_tokens, "reps": reps,
         "matmul_gflops": {},
     }
     for dtype in ("float32", "bfloat16"):
         progress(f"matmul roofline {dtype}")
         result["matmul_gflops"][dtype] = matmul_gflops(DTYPES[dtype], threads)
-    result["ember_float32"] = bench_ember(str(model), "float32", threads, args.kv_cache_mb, args.quick)
-    result["ember_bfloat16"] = bench_ember(str(model), "bfloat16", threads, args.kv_cache_mb, args.quick)
-    result["transformers"] = bench_transformers(model, threads, args.quick)
+    progress("loading Ember (float32, bfloat16) and transformers")
+    systems = {}
+    for dtype in ("float32", "bfloat16"):
+        engine = LLMEngine(EngineConfig(model=str(model), dtype=dtype, num_threads=threads,
+                                        kv_cache_bytes=args.kv_cache_mb * 2**20))
+        systems[f"ember_{dtype}"] = EmberSystem(engine)
+        result.setdefault("kernels", engine.kernels)
+    torch.set_num_threads(threads)
+    hf = AutoModelForCausalLM.from_pretrained(model.parent, gguf_file=model.name, dtype=torch.float32).eval()
+    systems["transformers"] = TransformersSystem(hf)
+    result.update(compare(systems, lengths, batches, new_tokens, reps))
+    args_ = systems["ember_float32"].engine.loaded.args
+    for name in ("ember_float32", "ember_bfloat16"):
+        result[name]["prefill_gflops"] = {n: prefill_flops(args_, int(n)) * rate / int(n) / 1e9
+                                          for n, rate in result[name]["prefill_tok_s"].items()}
+    del systems, hf
     progress("serving process: startup and peak RSS")
     result["serving_process"] = run_serve_probe(str(model), args.kv_cache_mb, threads)
     result["targets"] = targets(result)
