@@ -181,3 +181,25 @@ def test_concurrent_streams_survive_one_cancel(client, engine):
     stream.cancel()
     t.join(timeout=120)
     assert results["out"].token_ids == local_greedy(engine, ids, 12)
+
+
+def test_router_with_a_dead_prefill_answers_unavailable_not_a_hang(tmp_path, model_path):
+    import subprocess
+    import sys
+
+    from ember.cluster.launcher import REPO_ROOT, wait_serving
+    addr = write_config(tmp_path / "cluster.yaml")  # only the router runs: its peers are dead ports
+    log = tmp_path / "router.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "services.router", "--config", str(tmp_path / "cluster.yaml")],
+                                cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_serving(addr["router"], time.monotonic() + 60, proc, log)
+        start = time.monotonic()
+        with RouterClient(addr["router"]) as c, pytest.raises(grpc.RpcError) as e:
+            list(c.stream(text="hello", max_tokens=4, timeout=30))
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - start < 20
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)

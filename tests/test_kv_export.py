@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from ember.engine.detokenizer import streamed_text
 from ember.engine.errors import IntegrityError
 from ember.engine.sampling_params import SamplingParams
 from tests.conftest import LONG_TEXT
@@ -46,3 +47,29 @@ def test_import_rejects_mismatched_hashes_and_sizes(make_engine):
 def test_export_of_an_unknown_block_is_a_key_error(engine):
     with pytest.raises(KeyError):
         engine.export_blocks([b"\x01" * 16])
+
+
+def test_resume_with_output_prefix_streams_the_same_text_as_colocated(make_engine):
+    prefill, decode, colocated = (make_engine(kv_cache_bytes=32 * 2**20) for _ in range(3))
+    prompt = prefill.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Reply with three emoji and the word 'café' in Japanese: 🎉"}])
+    ids = prefill.tokenizer.encode(prompt)
+    params = SamplingParams(max_tokens=12, temperature=0.7, seed=3)
+    [want] = colocated.generate([ids], params)
+
+    rid = prefill.add_request(ids, SamplingParams(max_tokens=1, temperature=0.7, seed=3))
+    [first] = prefill.step()
+    assert first.request_id == rid and first.finished
+    payloads = prefill.export_blocks(first.block_hashes)
+    decode.import_blocks(ids, first.block_hashes, payloads)
+    decode.add_request(ids, params, output_prefix=first.new_token_ids)
+    texts = [streamed_text(first.new_token_ids, params, prefill.tokenizer.decode)]  # what prefill sends
+    tokens = list(first.new_token_ids)
+    while decode.has_unfinished():
+        for out in decode.step():
+            texts.append(out.new_text)
+            tokens += out.new_token_ids
+            final = out
+    assert tokens == want.token_ids
+    assert "".join(texts) == want.text
+    assert final.completion_tokens == len(want.token_ids)

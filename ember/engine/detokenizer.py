@@ -1,6 +1,7 @@
 """Incremental detokenization with stop strings (torch-free)."""
 from __future__ import annotations
 
+from ember.engine.sampling_params import SamplingParams
 from ember.engine.sequence import Sequence
 
 
@@ -26,3 +27,14 @@ def update_text(seq: Sequence, decode, final: bool) -> tuple[str, bool]:
     new_text = text[seq.num_text_emitted:safe_len]
     seq.num_text_emitted = max(seq.num_text_emitted, safe_len)
     return new_text, stop_hit
+
+
+def streamed_text(output_token_ids: list[int], params: SamplingParams, decode) -> str:
+    """The text a stream of these output tokens has sent while not yet finished.
+
+    A prefill server that hands decoding on sends exactly this with the first token; the
+    decode server's engine recomputes it (add_request's output_prefix) and continues, so
+    the joined stream equals a colocated one, multi-byte characters and stop strings included.
+    """
+    seq = Sequence("", list(output_token_ids), 0, params, seed=0)
+    return update_text(seq, decode, final=False)[0]

@@ -79,14 +79,21 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams = SamplingParams(),
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, output_prefix: list[int] = ()) -> str:
+        """Queue a request. `output_prefix`: tokens of this request already generated
+        elsewhere (the first token, sampled by a prefill server); they count towards
+        max_tokens and the text, whose part already streamed is not streamed again."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.seqs:
             raise InvalidRequestError(f"request_id {request_id!r} is already running")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(token_ids, params)
+        if len(output_prefix) >= params.max_tokens:
+            raise InvalidRequestError("output_prefix already reaches max_tokens: nothing left to generate")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        seq = Sequence(request_id, token_ids, len(token_ids), params, seed)
+        seq = Sequence(request_id, token_ids + list(output_prefix), len(token_ids), params, seed)
+        if output_prefix:
+            update_text(seq, self.tokenizer.decode, final=False)  # = streamed_text: already sent
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
         self.stats.num_prompt_tokens += len(token_ids)

@@ -59,6 +59,7 @@ class AsyncEngine:
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
                        before_add: Callable[[LLMEngine], Any] | None = None,
                        on_finish: Callable[[LLMEngine, RequestOutput], Any] | None = None,
+                       output_prefix: list[int] = (),
                        ) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. `before_add` runs on the engine thread just before the
         request is added (e.g. importing its KV); `on_finish` right after its last step,
@@ -72,7 +73,7 @@ class AsyncEngine:
         def add(engine: LLMEngine):
             if before_add is not None:
                 before_add(engine)
-            engine.add_request(prompt, params, request_id)
+            engine.add_request(prompt, params, request_id, output_prefix=output_prefix)
         finished = False
         try:
             await self.call(add)

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import grpc
 
@@ -42,12 +41,11 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
             engine.import_blocks(prompt, hashes, [payloads.get(h) for h in hashes])
         transfer_s = time.perf_counter() - start
         first = True
-        rest = replace(params, max_tokens=params.max_tokens - 1)
-        async for out in self.engine.generate(prompt + [request.first_token], rest, request.request_id,
-                                              before_add=import_kv):
+        async for out in self.engine.generate(prompt, params, request.request_id, before_add=import_kv,
+                                              output_prefix=[request.first_token]):
             msg = decode_pb2.DecodeResponse(token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
                                             finish_reason=out.finish_reason or "",
-                                            completion_tokens=out.completion_tokens + 1)
+                                            completion_tokens=out.completion_tokens)
             if first:
                 msg.transfer_s = transfer_s
                 msg.blocks_pulled, msg.bytes_pulled = pulled.blocks_pulled, pulled.bytes_pulled

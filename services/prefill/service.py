@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from ember.engine.detokenizer import streamed_text
 from ember.engine.engine import LLMEngine, RequestOutput
 from ember.kv.block_hash import chain_hashes
 from ember.kv.chunks import split
@@ -47,8 +48,12 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                       for h, n, o, d in split(exported))
             stored = (await self.kvstore.Put(chunks, timeout=context.time_remaining())).blocks_stored
         finished = final.finish_reason == "stop" or params.max_tokens == 1
+        # Decoding continues elsewhere: send only the text a running stream would have sent
+        # (no half character, no possible stop-string start); decode picks up from there.
+        first_text = final.new_text if finished else streamed_text(final.new_token_ids, params,
+                                                                    engine.tokenizer.decode)
         return prefill_pb2.PrefillResponse(
             first_token=final.new_token_ids[0], block_hashes=hashes, kvstore_address=self.kvstore_address,
             site=self.site, cached_tokens=final.cached_tokens, computed_tokens=len(prompt) - final.cached_tokens,
-            first_text=final.new_text, finished=finished,
+            first_text=first_text, finished=finished,
             finish_reason=final.finish_reason if finished else "", blocks_stored=stored)
