@@ -33,6 +33,7 @@ class Site(BaseModel):
 class EngineSettings(BaseModel):
     model_config = ConfigDict(extra="forbid")
     dtype: str = "float32"
+    block_size: int = Field(16, gt=0)
     kv_cache_mb: int = Field(256, gt=0)
     threads: int = Field(2, ge=0)
     max_num_seqs: int = Field(64, gt=0)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
 
@@ -22,3 +23,14 @@ def model_folder(path: str | Path) -> Path:
     """The HF-layout folder serving `path` (a GGUF's cache folder, or the folder itself)."""
     path = Path(path)
     return cache_dir_for(path) if path.suffix == ".gguf" else path
+
+
+def folder_fingerprint(folder: Path) -> str:
+    meta_path = folder / "ember.json"
+    if meta_path.exists():
+        return json.loads(meta_path.read_text())["fingerprint"]
+    digest = hashlib.sha256()
+    for path in sorted(folder.glob("*.safetensors")) + [folder / "config.json"]:
+        digest.update(path.name.encode())
+        digest.update(sha256_file(path).encode())
+    return "sha256:" + digest.hexdigest()

@@ -1,7 +1,6 @@
 """Load a model for serving: a GGUF file (converted once to a cached HF folder) or an HF folder."""
 from __future__ import annotations
 
-import hashlib
 import json
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -10,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ember.model.files import cache_dir_for, sha256_file
+from ember.model.files import cache_dir_for, folder_fingerprint, sha256_file
 from ember.model.gguf_convert import CONVERTER_VERSION, convert_gguf
 from ember.model.llama import LlamaModel, ModelArgs
 from ember.model.safetensors_io import read_safetensors
@@ -45,17 +44,6 @@ def ensure_gguf_cache(gguf_path: Path) -> Path:
     meta.update(source_size=stat.st_size, source_mtime_ns=stat.st_mtime_ns)
     meta_path.write_text(json.dumps(meta))
     return cache
-
-
-def folder_fingerprint(folder: Path) -> str:
-    meta_path = folder / "ember.json"
-    if meta_path.exists():
-        return json.loads(meta_path.read_text())["fingerprint"]
-    digest = hashlib.sha256()
-    for path in sorted(folder.glob("*.safetensors")) + [folder / "config.json"]:
-        digest.update(path.name.encode())
-        digest.update(sha256_file(path).encode())
-    return "sha256:" + digest.hexdigest()
 
 
 def load_model(path: str | Path, dtype: str = "float32") -> LoadedModel:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import grpc
+
 from ember.engine.detokenizer import streamed_text
 from ember.engine.engine import LLMEngine, RequestOutput
 from ember.kv.block_hash import chain_hashes
 from ember.kv.chunks import split
 from ember.rpc.convert import sampling_from_pb
-from ember.rpc.errors import require_ready
+from ember.rpc.errors import RpcError, require_ready
 from ember.serving.async_engine import AsyncEngine
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -27,6 +29,9 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         prompt = list(request.token_ids)
         engine = self.engine.engine
         hashes = chain_hashes(prompt, engine.config.block_size, engine.block_manager.root_hash)
+        if request.block_hashes and list(request.block_hashes) != hashes:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "the router's block hashes differ from this "
+                           "prefill server's: they disagree on the model, KV dtype or block size")
         present = await self.kvstore.Lookup(kvstore_pb2.LookupRequest(block_hashes=hashes),
                                             timeout=context.time_remaining())
         missing = {h for h, p in zip(hashes, present.present) if not p}

@@ -4,7 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ember.model.files import model_folder
+from ember.kv.block_hash import KVLayout, root_hash
+from ember.model.files import folder_fingerprint, model_folder
 from ember.model.tokenizer import Tokenizer
 from ember.rpc.server import Server, channel, run_service
 from ember.v1 import decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
@@ -22,7 +23,11 @@ async def main(args) -> None:
         max_model_len=hf_config["max_position_embeddings"], vocab_size=hf_config["vocab_size"],
         prefill=prefill_pb2_grpc.PrefillStub(channel(prefill_site.prefill)),
         decode=decode_pb2_grpc.DecodeStub(channel(decode_site.decode)),
-        prefill_site=prefill_site.name, decode_site=decode_site.name)
+        prefill_site=prefill_site.name, decode_site=decode_site.name,
+        block_size=config.engine.block_size, root_hash=root_hash(KVLayout(
+            folder_fingerprint(folder), config.engine.dtype, config.engine.block_size, hf_config["num_hidden_layers"],
+            hf_config.get("num_key_value_heads", hf_config["num_attention_heads"]), hf_config.get("head_dim") or
+            hf_config["hidden_size"] // hf_config["num_attention_heads"])))
     server = Server(config.router, [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name])
     router_pb2_grpc.add_RouterServicer_to_server(service, server.server)
     await server.run()

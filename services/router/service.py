@@ -7,6 +7,7 @@ import uuid
 
 import grpc
 
+from ember.kv.block_hash import chain_hashes
 from ember.model.tokenizer import Tokenizer
 from ember.rpc.convert import sampling_from_pb, sampling_to_pb
 from ember.rpc.errors import RpcError
@@ -20,13 +21,14 @@ def invalid(message: str) -> RpcError:
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, tokenizer: Tokenizer, model_id: str, max_model_len: int, vocab_size: int,
                  prefill: prefill_pb2_grpc.PrefillStub, decode: decode_pb2_grpc.DecodeStub,
-                 prefill_site: str, decode_site: str):
+                 prefill_site: str, decode_site: str, block_size: int, root_hash: bytes):
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.prefill, self.decode = prefill, decode
         self.placement = common_pb2.Placement(prefill_site=prefill_site, decode_site=decode_site)
+        self.block_size, self.root_hash = block_size, root_hash
 
     async def ListModels(self, request, context):
         return router_pb2.ListModelsResponse(models=[router_pb2.ModelInfo(id=self.model_id,
@@ -66,8 +68,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         request_id = request.request_id or uuid.uuid4().hex
         pb_params = sampling_to_pb(params)
 
+        # content addresses of the prompt's full blocks (placement reads them, issue 5)
+        hashes = chain_hashes(prompt, self.block_size, self.root_hash)
         pre = await self.prefill.Prefill(prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt,
-                                                                    sampling=pb_params),
+                                                                    sampling=pb_params, block_hashes=hashes),
                                          timeout=context.time_remaining())
         first_at = time.perf_counter()
         usage = common_pb2.Usage(prompt_tokens=len(prompt), cached_tokens=pre.cached_tokens, completion_tokens=1)
