@@ -29,3 +29,20 @@ def build_engine(config: ClusterConfig):
 
 def load(args) -> ClusterConfig:
     return load_config(args.config)
+
+
+async def serve_engine_service(address: str, service_name: str, service, add_to_server, config: ClusterConfig) -> None:
+    """Serve an engine-backed servicer: health says NOT_SERVING while the model loads (off the
+    event loop, so health checks are answered), SERVING once `service.engine` is set."""
+    import asyncio
+
+    from ember.rpc.server import Server
+    server = Server(address, [service_name])
+    add_to_server(service, server.server)
+
+    async def warmup():
+        service.engine = await asyncio.to_thread(build_engine, config)
+
+    async def stop():
+        service.engine.stop()
+    await server.run(warmup=warmup, on_stop=stop)

@@ -3,7 +3,6 @@ separate processes) beside Ember colocated (one in-process engine), same machine
 prompts; plus kvstore-to-kvstore pull throughput against raw loopback TCP."""
 from __future__ import annotations
 
-import json
 import os
 import socket
 import statistics
@@ -15,7 +14,7 @@ from pathlib import Path
 import grpc
 
 from ember.bench.engine_bench import random_prompts
-from ember.bench.measure import progress
+from ember.bench.measure import progress, write_result
 from ember.client import RouterClient
 from ember.cluster.launcher import down, up
 from ember.cluster.ports import write_local_config
@@ -127,9 +126,5 @@ def main(args) -> int:
         "kvstore_to_kvstore_GiBps": {"value": round(result["kv_pull"]["GiBps"], 3), "target": 1.0,
                                      "met": result["kv_pull"]["GiBps"] >= 1.0},
     }
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result["targets"], indent=2))
-    progress(f"wrote {out}")
+    write_result(result, args.output)
     return 0

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from ember.bench.measure import matmul_gflops, progress
+from ember.bench.measure import matmul_gflops, progress, write_result
 from ember.engine.config import EngineConfig
 from ember.engine.engine import LLMEngine
 from ember.engine.sampling_params import SamplingParams
@@ -172,9 +172,5 @@ def main(args) -> int:
     progress("serving process: startup and peak RSS")
     result["serving_process"] = run_serve_probe(str(model), args.kv_cache_mb, threads)
     result["targets"] = targets(result)
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result["targets"], indent=2))
-    progress(f"wrote {out}")
+    write_result(result, args.output)
     return 0

@@ -1,9 +1,11 @@
 """Small measuring helpers shared by the benchmarks."""
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 
 def median_time(fn, reps: int = 3, warmup: int = 1) -> float:
@@ -42,3 +44,12 @@ def matmul_gflops(dtype, threads: int) -> dict[str, float]:
 
 def progress(message: str) -> None:
     print(f"[bench] {message}", file=sys.stderr, flush=True)
+
+
+def write_result(result: dict, output: str) -> None:
+    """Write the benchmark's JSON and print its targets table."""
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    print(json.dumps(result["targets"], indent=2))
+    progress(f"wrote {out}")
