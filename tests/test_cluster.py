@@ -23,7 +23,7 @@ def cluster(tmp_path_factory, model_path):
     addr = write_config(run_dir / "cluster.yaml")
     up(run_dir / "cluster.yaml", run_dir, timeout_s=240)
     try:
-        yield addr
+        yield addr | {"config": str(run_dir / "cluster.yaml")}
     finally:
         down(run_dir)
 
@@ -203,3 +203,36 @@ def test_router_with_a_dead_prefill_answers_unavailable_not_a_hang(tmp_path, mod
     finally:
         proc.terminate()
         proc.wait(timeout=20)
+
+
+def test_sigterm_drains_in_flight_streams_then_exits(cluster, tmp_path, engine):
+    import signal
+    import subprocess
+    import sys
+
+    import yaml
+
+    from ember.cluster.launcher import REPO_ROOT, wait_serving
+    config = yaml.safe_load(open(cluster["config"]))
+    config["router"] = f"127.0.0.1:{free_port()}"  # a second router in front of the same cluster
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(config))
+    log = tmp_path / "router.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "services.router", "--config", str(tmp_path / "cluster.yaml")],
+                                cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        wait_serving(config["router"], time.monotonic() + 60, proc, log)
+        ids = engine.tokenizer.encode(PROMPTS[2])
+        with RouterClient(config["router"]) as c:
+            stream = c.stream(token_ids=ids, max_tokens=30, ignore_eos=True, timeout=60)
+            tokens = list(next(stream).token_ids)
+            proc.send_signal(signal.SIGTERM)  # mid-stream
+            for msg in stream:
+                tokens += msg.token_ids
+            assert len(tokens) == 30 and msg.finished, "the in-flight stream ran to completion"
+            [want] = engine.generate([ids], SamplingParams(max_tokens=30, ignore_eos=True))
+            assert tokens == want.token_ids
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -89,16 +89,22 @@ class RouterService(router_pb2_grpc.RouterServicer):
             request_id=request_id, prompt_token_ids=prompt, first_token=pre.first_token,
             block_hashes=pre.block_hashes, source_kvstore=pre.kvstore_address, sampling=pb_params),
             timeout=context.time_remaining())
-        async for d in stream:
-            if d.transfer_s:
-                timings.transfer_s = d.transfer_s
-            msg = router_pb2.GenerateResponse(request_id=request_id, token_ids=d.token_ids, text=d.text)
-            if d.finished:
-                done = time.perf_counter()
-                usage.completion_tokens = d.completion_tokens
-                timings.decode_s = done - first_at
-                timings.e2e_s = done - received
-                timings.tpot_s = timings.decode_s / max(1, d.completion_tokens - 1)
-                msg.MergeFrom(router_pb2.GenerateResponse(finished=True, finish_reason=d.finish_reason, usage=usage,
-                                                          timings=timings, placement=self.placement))
-            yield msg
+        try:
+            async for d in stream:
+                if d.transfer_s:
+                    timings.transfer_s = d.transfer_s
+                msg = router_pb2.GenerateResponse(request_id=request_id, token_ids=d.token_ids, text=d.text)
+                if d.finished:
+                    done = time.perf_counter()
+                    usage.completion_tokens = d.completion_tokens
+                    timings.decode_s = done - first_at
+                    timings.e2e_s = done - received
+                    timings.tpot_s = timings.decode_s / max(1, d.completion_tokens - 1)
+                    msg.MergeFrom(router_pb2.GenerateResponse(finished=True, finish_reason=d.finish_reason, usage=usage,
+                                                              timings=timings, placement=self.placement))
+                yield msg
+        finally:
+            # A client cancel or deadline cancels this handler; cancel the decode call
+            # explicitly too, so decode frees the sequence now rather than whenever the
+            # call object is collected.
+            stream.cancel()
