@@ -1,15 +1,20 @@
 """The disaggregated path across real processes: router -> prefill -> kvstores -> decode."""
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import grpc
 import pytest
+import yaml
 
 from ember.client import RouterClient
-from ember.cluster.launcher import down, up
+from ember.cluster.launcher import REPO_ROOT, down, up, wait_serving
 from ember.engine.sampling_params import SamplingParams
 from ember.rpc.server import CHANNEL_OPTIONS
 from ember.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
@@ -183,45 +188,37 @@ def test_concurrent_streams_survive_one_cancel(client, engine):
     assert results["out"].token_ids == local_greedy(engine, ids, 12)
 
 
-def test_router_with_a_dead_prefill_answers_unavailable_not_a_hang(tmp_path, model_path):
-    import subprocess
-    import sys
-
-    from ember.cluster.launcher import REPO_ROOT, wait_serving
-    addr = write_config(tmp_path / "cluster.yaml")  # only the router runs: its peers are dead ports
-    log = tmp_path / "router.log"
+@contextmanager
+def router_process(config_path, address: str):
+    """A lone router process on `config_path`, serving at `address`; killed afterwards."""
+    log = config_path.with_suffix(".log")
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.router", "--config", str(tmp_path / "cluster.yaml")],
+        proc = subprocess.Popen([sys.executable, "-m", "services.router", "--config", str(config_path)],
                                 cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
-        wait_serving(addr["router"], time.monotonic() + 60, proc, log)
+        wait_serving(address, time.monotonic() + 60, proc, log)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=20)
+
+
+def test_router_with_a_dead_prefill_answers_unavailable_not_a_hang(tmp_path, model_path):
+    addr = write_config(tmp_path / "cluster.yaml")  # only the router runs: its peers are dead ports
+    with router_process(tmp_path / "cluster.yaml", addr["router"]):
         start = time.monotonic()
         with RouterClient(addr["router"]) as c, pytest.raises(grpc.RpcError) as e:
             list(c.stream(text="hello", max_tokens=4, timeout=30))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE
         assert time.monotonic() - start < 20
-    finally:
-        proc.terminate()
-        proc.wait(timeout=20)
 
 
 def test_sigterm_drains_in_flight_streams_then_exits(cluster, tmp_path, engine):
-    import signal
-    import subprocess
-    import sys
-
-    import yaml
-
-    from ember.cluster.launcher import REPO_ROOT, wait_serving
     config = yaml.safe_load(open(cluster["config"]))
     config["router"] = f"127.0.0.1:{free_port()}"  # a second router in front of the same cluster
     (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(config))
-    log = tmp_path / "router.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.router", "--config", str(tmp_path / "cluster.yaml")],
-                                cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        wait_serving(config["router"], time.monotonic() + 60, proc, log)
+    with router_process(tmp_path / "cluster.yaml", config["router"]) as proc:
         ids = engine.tokenizer.encode(PROMPTS[2])
         with RouterClient(config["router"]) as c:
             stream = c.stream(token_ids=ids, max_tokens=30, ignore_eos=True, timeout=60)
@@ -233,6 +230,3 @@ def test_sigterm_drains_in_flight_streams_then_exits(cluster, tmp_path, engine):
             [want] = engine.generate([ids], SamplingParams(max_tokens=30, ignore_eos=True))
             assert tokens == want.token_ids
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
