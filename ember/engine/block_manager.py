@@ -46,6 +46,7 @@ class BlockManager:
 
     @property
     def num_used_blocks(self) -> int:
+        """Blocks referenced by sequences (cached-but-unreferenced ones count as free)."""
         return self.num_blocks - self.num_free_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
@@ -118,7 +119,7 @@ class BlockManager:
         seq.num_computed_tokens = 0
 
     # -- import of blocks computed elsewhere -----------------------------------------
-    def reserve_for_import(self, hash_: bytes, token_ids) -> int:
+    def reserve_for_import(self, hash_: bytes) -> int:
         """A fresh block to receive imported KV for `hash_` (not yet cached).
 
         The block is returned referenced (ref_count 1); call `publish_import` once its

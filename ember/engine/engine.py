@@ -215,7 +215,7 @@ class LLMEngine:
                 break
             if self.block_manager.num_free_blocks == 0:
                 raise CapacityError("no free KV block to import into")
-            block_id = self.block_manager.reserve_for_import(h, block_tokens)
+            block_id = self.block_manager.reserve_for_import(h)
             try:
                 self.cache.import_block(block_id, payload)
             except ValueError as e:

@@ -42,7 +42,3 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.prompt_len
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SeqStatus.FINISHED

@@ -58,7 +58,6 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
 
         def stats(e: LLMEngine):
             bm = e.block_manager
-            used = sum(1 for b in bm.blocks if b.ref_count > 0)
             return decode_pb2.DecodeStatsResponse(running=len(e.scheduler.running), waiting=len(e.scheduler.waiting),
-                                                  used_blocks=used, total_blocks=bm.num_blocks)
+                                                  used_blocks=bm.num_used_blocks, total_blocks=bm.num_blocks)
         return await self.engine.call(stats)
