@@ -16,6 +16,7 @@ import yaml
 from ember.client import RouterClient
 from ember.cluster.launcher import REPO_ROOT, down, up, wait_serving
 from ember.engine.sampling_params import SamplingParams
+from ember.kv import wire
 from ember.rpc.server import CHANNEL_OPTIONS
 from ember.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 from tests.cluster_fixture import free_port, write_config
@@ -92,7 +93,7 @@ def test_second_turn_moves_only_new_blocks(client, cluster, engine):
     turn2 = turn1 + first.token_ids + engine.tokenizer.encode("\nQ: And what rose higher than anyone remembered?")
     second = client.complete(token_ids=turn2, max_tokens=8, ignore_eos=True, timeout=120)
     after = kv_stats(cluster["kv_edge"])
-    block_bytes = 16 * 46080
+    block_bytes = wire.frame_bytes(16 * 46080)  # fp32 KV + the frame header
     assert mid.blocks_pulled - before.blocks_pulled == len(turn1) // 16
     # Turn 2 needs its new full blocks. The first of them (turn 1's tail + its answer) was
     # computed by decode itself and is still in its pool, so at most the rest crosses.

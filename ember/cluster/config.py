@@ -6,6 +6,7 @@ config with links, regions and hardware profiles grows from this.)
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -49,6 +50,23 @@ class ClusterConfig(BaseModel):
     sites: list[Site]
     engine: EngineSettings = EngineSettings()
     kvstore_capacity_mb: int = Field(1024, gt=0)
+    kvstore_codec: Literal["auto", "raw", "planes"] = "auto"  # asked of peers on pulls
+    # Block directory: a Redis URL (redis://HOST:PORT/DB) shared by all sites, or None for
+    # the in-memory directory the router hosts (the embedded default).
+    directory: str | None = None
+    directory_ttl_s: float = Field(60.0, gt=0)
+
+    @field_validator("directory")
+    @classmethod
+    def _redis_url(cls, v):
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"{v!r} is not a Redis URL (e.g. redis://127.0.0.1:6379/0); omit it for the "
+                             "in-memory directory")
+        return v
+
+    def directory_url(self) -> str:
+        """What kvstores publish to: Redis, or the router's in-memory directory."""
+        return self.directory or f"grpc://{self.router}"
 
     _check = field_validator("router")(lambda cls, v: _address(v))
 

@@ -27,8 +27,9 @@ def service_commands(config: ClusterConfig, config_path: Path) -> dict[str, tupl
     py, cfg = sys.executable, str(config_path)
     commands = {}
     for site in config.sites:
-        argv = [py, "-m", "services.kvstore", "--listen", site.kvstore,
-                "--capacity-mb", str(config.kvstore_capacity_mb)]
+        argv = [py, "-m", "services.kvstore", "--listen", site.kvstore, "--site", site.name,
+                "--capacity-mb", str(config.kvstore_capacity_mb), "--codec", config.kvstore_codec,
+                "--directory", config.directory_url(), "--directory-ttl-s", str(config.directory_ttl_s)]
         if site.kvstore_data:
             argv += ["--data-listen", site.kvstore_data]
         commands[f"kvstore-{site.name}"] = (argv, site.kvstore)

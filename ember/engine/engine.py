@@ -18,6 +18,7 @@ from ember.engine.sampling_params import SamplingParams
 from ember.engine.scheduler import Scheduler
 from ember.engine.sequence import Sequence
 from ember.kernels import optimize
+from ember.kv import wire
 from ember.kv.block_hash import KVLayout, chain_hashes, root_hash
 from ember.model.loader import LoadedModel, load_model
 
@@ -68,6 +69,7 @@ class LLMEngine:
         num_blocks = config.num_kv_blocks or config.kv_cache_bytes // self.layout.block_bytes
         self.cache = PagedKVCache(self.layout, num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, root_hash(self.layout))
+        self.frame_template = wire.layout_header(self.layout, self.block_manager.root_hash)  # what frames must say
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.kernels = optimize(self.loaded.model) if config.optimize else []
         self.runner = ModelRunner(self.loaded.model, self.cache)
@@ -191,6 +193,11 @@ class LLMEngine:
                 raise KeyError(f"block {h.hex()} is not in the cache (evicted or never computed)")
             payloads.append(self.cache.export_block(block_id))
         return payloads
+
+    def export_frames(self, block_hashes: list[bytes]) -> list[bytes]:
+        """Cached blocks as checksummed wire frames (ember.kv.wire), ready to leave the process."""
+        return [wire.encode_frame(self.frame_template, h, payload)
+                for h, payload in zip(block_hashes, self.export_blocks(block_hashes))]
 
     def import_blocks(self, token_ids: list[int], block_hashes: list[bytes], payloads: list[bytes | None]) -> int:
         """Put the KV of the first len(block_hashes) full blocks of token_ids into the cache.

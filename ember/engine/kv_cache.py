@@ -45,7 +45,6 @@ class PagedKVCache:
     def import_block(self, block_id: int, payload: bytes | bytearray | memoryview) -> None:
         if len(payload) != self.layout.block_bytes:
             raise ValueError(f"KV block payload is {len(payload)} bytes, layout needs {self.layout.block_bytes}")
-        if isinstance(payload, bytes) or (isinstance(payload, memoryview) and payload.readonly):
-            payload = bytearray(payload)  # torch.frombuffer needs writable memory
-        src = torch.frombuffer(payload, dtype=self.dtype).view(self.block_shape)
-        self.kv[:, :, block_id].copy_(src)
+        # through numpy: it reads read-only memory (a shared kvstore arena) without a copy
+        dst = self.kv[:, :, block_id].view(_BYTE_VIEW[self.dtype]).numpy()
+        np.copyto(dst, np.frombuffer(payload, dtype=dst.dtype).reshape(self.block_shape))

@@ -1,4 +1,4 @@
-"""KVStore servicer: lookup, chunked put/get, pull-from-peer, stats."""
+"""KVStore servicer: lookup, chunked put/get, pull-from-peer, leases, stats."""
 from __future__ import annotations
 
 import asyncio
@@ -6,26 +6,28 @@ import time
 
 import grpc
 
-from ember.kv import bulk, transfer
+from ember.kv import codec, wire
 from ember.kv.chunks import Assembler, split
 from ember.rpc.errors import RpcError
-from ember.rpc.server import channel
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
-from services.kvstore.store import BlockStore
+from services.kvstore.pull import PeerFetcher
+from services.kvstore.store import BlockStore, LeaseError
+
+FRAME_ERRORS = {"DATA_LOSS": grpc.StatusCode.DATA_LOSS, "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT}
+
+
+def frame_error(e: wire.FrameError) -> RpcError:
+    return RpcError(FRAME_ERRORS[e.status], str(e))
 
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
-    def __init__(self, store: BlockStore, data_address: str = ""):
+    def __init__(self, store: BlockStore, data_address: str = "", codec_mode: str = "auto",
+                 shm_socket: str = "", store_id: bytes = b""):
         self.store = store
-        self.data_address = data_address
-        self._peer_data: dict[str, str] = {}  # peer gRPC address -> its data plane address
-        self._peers: dict[str, grpc.aio.Channel] = {}
+        self.data_address, self.shm_socket, self.store_id = data_address, shm_socket, store_id
+        self.fetcher = PeerFetcher(store, codec_mode)
+        self.wire_bytes_pulled = 0
         self._inflight: dict[bytes, asyncio.Future] = {}  # one fetch per block at a time
-
-    def _peer(self, address: str) -> grpc.aio.Channel:
-        if address not in self._peers:
-            self._peers[address] = channel(address)
-        return self._peers[address]
 
     async def Lookup(self, request, context):
         present = [h in self.store for h in request.block_hashes]
@@ -40,7 +42,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             except ValueError as e:
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed block stream: {e}") from e
             if block is not None:
-                if self._put(*block):
+                if self._put_frame(*block):
                     stored += 1
                 else:
                     present += 1
@@ -50,79 +52,140 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             raise RpcError(grpc.StatusCode.DATA_LOSS, f"block stream cut short: {e}") from e
         return kvstore_pb2.PutResponse(blocks_stored=stored, blocks_present=present)
 
-    def _put(self, block_hash: bytes, payload) -> bool:
+    def _put_frame(self, block_hash: bytes, frame) -> bool:
+        """Verify and file one frame; a damaged or foreign one is refused, never stored."""
+        if block_hash in self.store:
+            self.store.get(block_hash)
+            return False
         try:
-            return self.store.put(block_hash, payload)
-        except MemoryError as e:
-            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
+            header = wire.parse_header(frame)
+            if header.block_hash != block_hash:
+                raise wire.LayoutMismatch(f"frame filed as {block_hash.hex()} carries hash {header.block_hash.hex()}")
+            slot, view = self._reserve(wire.frame_bytes(header.raw_len))
+            try:
+                wire.write_raw(frame, view)
+            except BaseException:
+                self.store.abandon(slot)
+                raise
+        except wire.FrameError as e:
+            raise frame_error(e) from e
+        return self.store.commit(block_hash, slot)
 
     def _reserve(self, num_bytes: int) -> tuple[int, memoryview]:
         try:
             slot = self.store.reserve(num_bytes)
         except MemoryError as e:
             raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
+        except ValueError as e:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, str(e)) from e
         return slot, self.store.view(slot)
 
     async def Get(self, request, context):
         hashes = list(request.block_hashes)
-        with self.store.pinned(hashes) as payloads:  # no slot is reused while it streams out
-            for h, payload in zip(hashes, payloads):
-                if payload is None:
+        with self.store.pinned(hashes) as frames:  # no slot is reused while it streams out
+            for h, frame in zip(hashes, frames):
+                if frame is None:
                     raise RpcError(grpc.StatusCode.NOT_FOUND, f"block {h.hex()} is not in this store")
-            for block_hash, total, offset, data in split(zip(hashes, payloads)):
+            for block_hash, total, offset, data in split(zip(hashes, frames)):
                 yield kvstore_pb2.BlockChunk(block_hash=block_hash, block_bytes=total, offset=offset, data=data)
 
     async def Pull(self, request, context):
         start = time.perf_counter()
         hashes = list(dict.fromkeys(request.block_hashes))
+        # lease first, so blocks already here cannot be evicted by this very pull
+        lease = self.store.acquire(hashes, request.lease_s) if request.lease_s > 0 else None
         missing = [h for h in hashes if h not in self.store and h not in self._inflight]
         waiting = [self._inflight[h] for h in hashes if h in self._inflight]
-        pulled_blocks = pulled_bytes = 0
-        if missing:
-            if not request.source:
-                raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "source is required to pull missing blocks")
-            loop = asyncio.get_running_loop()
-            futures = {h: loop.create_future() for h in missing}
-            self._inflight.update(futures)
-            try:
-                async for block_hash, payload in self._fetch(request.source, missing, context.time_remaining()):
-                    pulled_blocks += 1
-                    pulled_bytes += len(payload)
-                    futures[block_hash].set_result(True)
-            finally:
-                for h, f in futures.items():
-                    self._inflight.pop(h, None)
-                    if not f.done():
-                        f.set_result(False)
-            self.store.stats.blocks_pulled += pulled_blocks
-            self.store.stats.bytes_pulled += pulled_bytes
-        if waiting and not all(await asyncio.gather(*waiting)):
-            raise RpcError(grpc.StatusCode.UNAVAILABLE, "a concurrent pull of the same blocks failed")
-        return kvstore_pb2.PullResponse(blocks_pulled=pulled_blocks, blocks_present=len(hashes) - pulled_blocks,
-                                        bytes_pulled=pulled_bytes, seconds=time.perf_counter() - start)
+        pulled_blocks = pulled_bytes = wire_bytes = 0
+        codec_name = "raw"
+        try:
+            if missing:
+                if not request.source:
+                    raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "source is required to pull missing blocks")
+                codec_name = codec.NAMES[self.fetcher.codec_for(self.fetcher.peer(request.source))]
+                pulled_blocks, pulled_bytes, wire_bytes = await self._pull(request.source, missing, lease,
+                                                                           context.time_remaining())
+            if waiting and not all(await asyncio.gather(*waiting)):
+                raise RpcError(grpc.StatusCode.UNAVAILABLE, "a concurrent pull of the same blocks failed")
+            response = kvstore_pb2.PullResponse(blocks_pulled=pulled_blocks, bytes_pulled=pulled_bytes,
+                                                blocks_present=len(hashes) - pulled_blocks, wire_bytes=wire_bytes,
+                                                codec=codec_name, seconds=time.perf_counter() - start)
+            if lease is not None:
+                for h in hashes:  # blocks another pull brought in while we waited
+                    if h not in lease.block_hashes:
+                        self.store.add_to_lease(lease.lease_id, h)
+                response.lease.CopyFrom(self._lease_pb(lease.lease_id, hashes))
+            return response
+        except BaseException:
+            if lease is not None and lease.lease_id in self.store.leases:
+                self.store.release_lease(lease.lease_id)
+            raise
 
-    async def _fetch(self, source: str, hashes: list[bytes], timeout: float | None):
-        """Store blocks from a peer, yielding (hash, payload) as each lands: over the peer's
-        TCP data plane straight into store slots when it has one, else gRPC bulk."""
-        if source not in self._peer_data:
-            stats = await kvstore_pb2_grpc.KVStoreStub(self._peer(source)).Stats(kvstore_pb2.StatsRequest(),
-                                                                                 timeout=timeout)
-            self._peer_data[source] = stats.data_address
-        data_address = self._peer_data[source]
-        if data_address:
-            async for block_hash, slot, view in transfer.fetch(data_address, hashes, timeout,
-                                                               alloc=self._reserve, release=self.store.release):
-                self.store.commit(block_hash, slot)
-                yield block_hash, view
-        else:
-            async for block_hash, payload in bulk.fetch(self._peer(source), hashes, timeout):
-                self._put(block_hash, payload)
-                yield block_hash, payload
+    async def _pull(self, source: str, missing: list[bytes], lease, timeout: float | None) -> tuple[int, int, int]:
+        loop = asyncio.get_running_loop()
+        futures = {h: loop.create_future() for h in missing}
+        self._inflight.update(futures)
+        blocks = raw_bytes = wire_bytes = 0
+
+        def on_wire(n: int) -> None:
+            nonlocal wire_bytes
+            wire_bytes += n
+        try:
+            async for block_hash, frame in self.fetcher.fetch(source, missing, timeout, self._reserve, on_wire):
+                blocks += 1
+                raw_bytes += len(frame)
+                if lease is not None:
+                    self.store.add_to_lease(lease.lease_id, block_hash)
+                futures[block_hash].set_result(True)
+        except wire.FrameError as e:
+            raise frame_error(e) from e
+        finally:
+            for h, f in futures.items():
+                self._inflight.pop(h, None)
+                if not f.done():
+                    f.set_result(False)
+            self.store.stats.blocks_pulled += blocks
+            self.store.stats.bytes_pulled += raw_bytes
+            self.wire_bytes_pulled += wire_bytes
+        return blocks, raw_bytes, wire_bytes
+
+    def _lease_pb(self, lease_id: int, hashes: list[bytes]) -> kvstore_pb2.LeaseResponse:
+        lease = self.store.leases[lease_id]
+        held = set(lease.block_hashes)
+        return kvstore_pb2.LeaseResponse(
+            lease_id=lease_id, expires_in_s=lease.expires_at - self.store.clock(),
+            present=[h in held for h in hashes],
+            offsets=[self.store.offset(h) if h in held else 0 for h in hashes], frame_bytes=self.store.slot_bytes)
+
+    async def Acquire(self, request, context):
+        if request.lease_s <= 0:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "lease_s must be > 0")
+        hashes = list(request.block_hashes)
+        return self._lease_pb(self.store.acquire(hashes, request.lease_s).lease_id, hashes)
+
+    async def Renew(self, request, context):
+        if request.lease_s <= 0:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "lease_s must be > 0")
+        try:
+            lease = self.store.renew(request.lease_id, request.lease_s)
+        except LeaseError as e:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from e
+        return kvstore_pb2.LeaseResponse(lease_id=lease.lease_id, expires_in_s=request.lease_s)
+
+    async def Release(self, request, context):
+        try:
+            self.store.release_lease(request.lease_id)
+        except LeaseError as e:
+            raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from e
+        return kvstore_pb2.LeaseResponse(lease_id=request.lease_id)
 
     async def Stats(self, request, context):
-        s = self.store.stats
+        s, store = self.store.stats, self.store
+        store.expire_leases()
         return kvstore_pb2.StatsResponse(
-            blocks=len(self.store.blocks), bytes=self.store.bytes, capacity_bytes=self.store.capacity_bytes,
+            blocks=len(store.blocks), bytes=store.bytes, capacity_bytes=store.capacity_bytes,
             hits=s.hits, misses=s.misses, evictions=s.evictions, blocks_pulled=s.blocks_pulled,
             bytes_pulled=s.bytes_pulled, blocks_put=s.blocks_put, blocks_served=s.blocks_served,
-            data_address=self.data_address)
+            data_address=self.data_address, pinned_blocks=len(store.pins), leases=len(store.leases),
+            leases_expired=s.leases_expired, shm_socket=self.shm_socket, store_id=self.store_id,
+            wire_bytes_pulled=self.wire_bytes_pulled)

@@ -1,20 +1,27 @@
-"""Content-addressed block store: preallocated slots, byte capacity, LRU eviction, pins.
+"""Content-addressed block store: preallocated slots, byte capacity, LRU eviction, pins, leases.
 
-Holds bytes only (no torch): the payload layout is the engine's business. Payloads live
-in one arena mapped and populated up front (MAP_POPULATE: ~0.5 s per GiB at start) and
-cut into slots of the first block size seen, so a block arriving from the network is
-received straight into memory that is already mapped. Measured here for 720 KiB copies:
-populated 12.4 GB/s, fresh anonymous memory 1.6 GB/s, numpy's huge-page-advised memory
-0.8 GB/s (the kernel compacts memory on fault).
-A block being read out (a Get stream, a data-plane send) is pinned: eviction skips it,
-so a slot is never reused while its old bytes are still going out.
+Holds bytes only (no torch): each block is a raw wire frame (ember.kv.wire). Frames live
+in one arena allocated and populated up front (MAP_POPULATE: ~0.5 s per GiB at start) and
+cut into slots of the first frame size seen, so a block arriving from the network is
+received straight into memory that is already mapped (populated memory took copies at
+12.4 GB/s here, fresh anonymous memory 1.6 GB/s). The arena is a memfd, so a reader on
+the same host can map it and copy blocks out without a socket (services/kvstore/shm.py).
+
+A block is pinned while anyone reads it: a transfer in flight (`pinned`) or a lease
+(`acquire` ... `release_lease`). Eviction is LRU over unpinned blocks only. A lease
+expires unless renewed; expiry unpins its blocks, and the holder then gets LeaseExpired
+instead of a silent success, so it never trusts bytes that may have been reused.
 """
 from __future__ import annotations
 
+import itertools
 import mmap
+import os
+import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -26,19 +33,42 @@ class StoreStats:
     blocks_served: int = 0
     blocks_pulled: int = 0
     bytes_pulled: int = 0
+    leases_expired: int = 0
+
+
+@dataclass
+class Lease:
+    lease_id: int
+    block_hashes: list[bytes]
+    expires_at: float
+    slots: list[int] = field(default_factory=list)
+
+
+class LeaseError(KeyError):
+    """The lease is unknown, or it expired (its blocks may since have been reused)."""
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 class BlockStore:
-    def __init__(self, capacity_bytes: int):
+    def __init__(self, capacity_bytes: int, clock: Callable[[], float] = time.monotonic):
         self.capacity_bytes = capacity_bytes
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-        self._map = mmap.mmap(-1, capacity_bytes, flags=flags)
+        self.fd = os.memfd_create("ember-kvstore", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, capacity_bytes)
+        self._map = mmap.mmap(self.fd, capacity_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         self.arena = memoryview(self._map)
         self.slot_bytes = 0  # fixed by the first block stored
         self.free_slots: list[int] = []
         self.blocks: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, least recently used first
         self.pins: Counter[bytes] = Counter()
+        self.leases: dict[int, Lease] = {}
+        self._expired: OrderedDict[int, float] = OrderedDict()  # recently expired lease ids, for clear errors
+        self._lease_ids = itertools.count(1)
+        self.clock = clock
         self.stats = StoreStats()
+        # (added hashes, evicted hashes) -> None: the block directory publisher listens here
+        self.on_change: Callable[[list[bytes], list[bytes]], None] | None = None
 
     @property
     def bytes(self) -> int:
@@ -51,9 +81,14 @@ class BlockStore:
         start = slot * self.slot_bytes
         return self.arena[start:start + self.slot_bytes]
 
+    def offset(self, block_hash: bytes) -> int:
+        return self.blocks[block_hash] * self.slot_bytes
+
+    # -- writing: reserve a slot, fill it, then commit (or abandon) it ---------------------
     def reserve(self, num_bytes: int) -> int:
         """A free slot for one incoming block (evicting the LRU unpinned block if needed).
-        Write it through `view(slot)`, then `commit` it, or `release` it."""
+        Write it through `view(slot)`, then `commit` or `abandon` it. MemoryError if the
+        store is full of pinned blocks."""
         if not self.slot_bytes:
             if not 0 < num_bytes <= self.capacity_bytes:
                 raise MemoryError(f"block of {num_bytes} bytes does not fit capacity {self.capacity_bytes}")
@@ -62,20 +97,23 @@ class BlockStore:
         if num_bytes != self.slot_bytes:
             raise ValueError(f"block of {num_bytes} bytes does not match this store's block size {self.slot_bytes}")
         if not self.free_slots:
+            self.expire_leases()
             self._evict_one()
         return self.free_slots.pop()
 
     def commit(self, block_hash: bytes, slot: int) -> bool:
         """File a written slot under its hash; False if the block was already here."""
         if block_hash in self.blocks:
-            self.release(slot)
+            self.abandon(slot)
             self.blocks.move_to_end(block_hash)
             return False
         self.blocks[block_hash] = slot
         self.stats.blocks_put += 1
+        if self.on_change:
+            self.on_change([block_hash], [])
         return True
 
-    def release(self, slot: int) -> None:
+    def abandon(self, slot: int) -> None:
         self.free_slots.append(slot)
 
     def put(self, block_hash: bytes, payload) -> bool:
@@ -87,8 +125,9 @@ class BlockStore:
         self.view(slot)[:] = payload
         return self.commit(block_hash, slot)
 
+    # -- reading ---------------------------------------------------------------------------
     def get(self, block_hash: bytes) -> memoryview | None:
-        """The payload, valid until the block is evicted: hold `pinned` while using it."""
+        """The payload, valid until the block is evicted: hold a pin or lease while using it."""
         slot = self.blocks.get(block_hash)
         if slot is None:
             self.stats.misses += 1
@@ -103,18 +142,78 @@ class BlockStore:
         """Payloads (None where missing) that stay valid for the duration of the block."""
         payloads = [self.get(h) for h in block_hashes]
         held = [h for h, p in zip(block_hashes, payloads) if p is not None]
-        self.pins.update(held)
+        self._pin(held)
         try:
             yield payloads
         finally:
-            self.pins.subtract(held)
-            for h in held:
-                if self.pins[h] <= 0:
-                    del self.pins[h]
+            self._unpin(held)
+
+    # -- leases: pins that outlive a call, held by a remote reader --------------------------
+    def acquire(self, block_hashes: list[bytes], ttl_s: float) -> Lease:
+        """Pin the blocks present (see `Lease.block_hashes`) until release or expiry."""
+        self.expire_leases()
+        lease = Lease(next(self._lease_ids), [], self.clock() + ttl_s)
+        self.leases[lease.lease_id] = lease
+        for h in block_hashes:
+            self.add_to_lease(lease.lease_id, h)
+        return lease
+
+    def add_to_lease(self, lease_id: int, block_hash: bytes) -> bool:
+        lease = self._live(lease_id)
+        if block_hash not in self.blocks:
+            return False
+        self.get(block_hash)
+        lease.block_hashes.append(block_hash)
+        self._pin([block_hash])
+        return True
+
+    def renew(self, lease_id: int, ttl_s: float) -> Lease:
+        lease = self._live(lease_id)
+        lease.expires_at = self.clock() + ttl_s
+        return lease
+
+    def release_lease(self, lease_id: int) -> None:
+        """LeaseError if the lease expired first: its blocks may have been overwritten."""
+        lease = self._live(lease_id)
+        del self.leases[lease_id]
+        self._unpin(lease.block_hashes)
+
+    def expire_leases(self) -> int:
+        now = self.clock()
+        expired = [lease for lease in self.leases.values() if lease.expires_at <= now]
+        for lease in expired:
+            del self.leases[lease.lease_id]
+            self._unpin(lease.block_hashes)
+            self._expired[lease.lease_id] = now
+            self.stats.leases_expired += 1
+        while len(self._expired) > 4096:
+            self._expired.popitem(last=False)
+        return len(expired)
+
+    def _live(self, lease_id: int) -> Lease:
+        self.expire_leases()
+        lease = self.leases.get(lease_id)
+        if lease is not None:
+            return lease
+        if lease_id in self._expired:
+            raise LeaseError(f"lease {lease_id} expired {self.clock() - self._expired[lease_id]:.3f} s ago; "
+                             "its blocks may have been evicted and reused: fetch them again")
+        raise LeaseError(f"lease {lease_id} is unknown to this kvstore (released already, or never granted)")
+
+    def _pin(self, block_hashes: list[bytes]) -> None:
+        self.pins.update(block_hashes)
+
+    def _unpin(self, block_hashes: list[bytes]) -> None:
+        self.pins.subtract(block_hashes)
+        for h in set(block_hashes):
+            if self.pins[h] <= 0:
+                del self.pins[h]
 
     def _evict_one(self) -> None:
         victim = next((h for h in self.blocks if h not in self.pins), None)
         if victim is None:
-            raise MemoryError("every block in the store is pinned by a transfer in flight")
-        self.release(self.blocks.pop(victim))
+            raise MemoryError(f"all {len(self.blocks)} blocks in the store are pinned by transfers or leases")
+        self.abandon(self.blocks.pop(victim))
         self.stats.evictions += 1
+        if self.on_change:
+            self.on_change([], [victim])

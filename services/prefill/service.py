@@ -41,7 +41,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             # On the engine thread right after the last step: no later step can have
             # evicted these blocks yet. Only blocks the kvstore lacks are copied out.
             wanted = [h for h in out.block_hashes if h in missing]
-            exported.extend(zip(wanted, engine.export_blocks(wanted)))
+            exported.extend(zip(wanted, engine.export_frames(wanted)))
 
         final = None
         async for out in self.engine.generate(prompt, replace(params, max_tokens=1), request.request_id,

@@ -5,10 +5,12 @@ import argparse
 import json
 
 from ember.kv.block_hash import KVLayout, root_hash
+from ember.kv.directory import MemoryDirectory, RedisDirectory
 from ember.model.files import folder_fingerprint, model_folder
 from ember.model.tokenizer import Tokenizer
+from ember.rpc.directory import DirectoryService
 from ember.rpc.server import Server, channel, run_service
-from ember.v1 import decode_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
+from ember.v1 import decode_pb2_grpc, directory_pb2_grpc, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 from services.common import REPO_ROOT, load
 from services.router.service import RouterService
 
@@ -18,6 +20,9 @@ async def main(args) -> None:
     folder = model_folder(config.model_path(REPO_ROOT))  # the loaders' HF-layout folder (torch-free read)
     hf_config = json.loads((folder / "config.json").read_text())
     prefill_site, decode_site = config.site(config.prefill_site), config.site(config.decode_site)
+    # Redis when configured; otherwise this router hosts an in-memory directory the kvstores publish to
+    directory = RedisDirectory(config.directory, config.directory_ttl_s) if config.directory \
+        else MemoryDirectory(config.directory_ttl_s)
     service = RouterService(
         Tokenizer.from_folder(folder), model_id=folder.name.removesuffix(".ember"),
         max_model_len=hf_config["max_position_embeddings"], vocab_size=hf_config["vocab_size"],
@@ -27,10 +32,13 @@ async def main(args) -> None:
         block_size=config.engine.block_size, root_hash=root_hash(KVLayout(
             folder_fingerprint(folder), config.engine.dtype, config.engine.block_size, hf_config["num_hidden_layers"],
             hf_config.get("num_key_value_heads", hf_config["num_attention_heads"]), hf_config.get("head_dim") or
-            hf_config["hidden_size"] // hf_config["num_attention_heads"])))
+            hf_config["hidden_size"] // hf_config["num_attention_heads"])),
+        directory=directory, sites=[s.name for s in config.sites])
     server = Server(config.router, [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name])
     router_pb2_grpc.add_RouterServicer_to_server(service, server.server)
-    await server.run()
+    if isinstance(directory, MemoryDirectory):
+        directory_pb2_grpc.add_BlockDirectoryServicer_to_server(DirectoryService(directory), server.server)
+    await server.run(on_stop=directory.close)
 
 
 if __name__ == "__main__":

@@ -2,16 +2,24 @@
 once, then relay decode's stream; the last message carries usage, timings, placement."""
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 import uuid
 
 import grpc
 
 from ember.kv.block_hash import chain_hashes
+from ember.kv.directory import BlockDirectory
 from ember.model.tokenizer import Tokenizer
 from ember.rpc.convert import sampling_from_pb, sampling_to_pb
 from ember.rpc.errors import RpcError
 from ember.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
+
+
+log = logging.getLogger("ember.router")
+DIRECTORY_TIMEOUT_S = 0.5
+DIRECTORY_RETRY_S = 1.0
 
 
 def invalid(message: str) -> RpcError:
@@ -21,7 +29,8 @@ def invalid(message: str) -> RpcError:
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, tokenizer: Tokenizer, model_id: str, max_model_len: int, vocab_size: int,
                  prefill: prefill_pb2_grpc.PrefillStub, decode: decode_pb2_grpc.DecodeStub,
-                 prefill_site: str, decode_site: str, block_size: int, root_hash: bytes):
+                 prefill_site: str, decode_site: str, block_size: int, root_hash: bytes,
+                 directory: BlockDirectory, sites: list[str]):
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.max_model_len = max_model_len
@@ -29,6 +38,21 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.prefill, self.decode = prefill, decode
         self.placement = common_pb2.Placement(prefill_site=prefill_site, decode_site=decode_site)
         self.block_size, self.root_hash = block_size, root_hash
+        self.directory, self.sites = directory, sites
+        self._directory_retry_at = 0.0  # after a failure, skip the directory for a while
+
+    async def _cached_blocks(self, hashes: list[bytes]) -> dict[str, int]:
+        """Leading prompt blocks held per site, in one directory round trip; {} when the
+        directory is down (a hint only: the request goes on and recomputes what it must)."""
+        if not hashes or time.monotonic() < self._directory_retry_at:
+            return {}
+        try:
+            return await asyncio.wait_for(self.directory.lookup(hashes, self.sites), DIRECTORY_TIMEOUT_S)
+        except Exception as e:  # noqa: BLE001 - any directory failure degrades to "nothing cached"
+            if not self._directory_retry_at:
+                log.warning("block directory unreachable (%s: %s); placing without it", type(e).__name__, e)
+            self._directory_retry_at = time.monotonic() + DIRECTORY_RETRY_S
+            return {}
 
     async def ListModels(self, request, context):
         return router_pb2.ListModelsResponse(models=[router_pb2.ModelInfo(id=self.model_id,
@@ -68,8 +92,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
         request_id = request.request_id or uuid.uuid4().hex
         pb_params = sampling_to_pb(params)
 
-        # content addresses of the prompt's full blocks (placement reads them, issue 5)
+        # content addresses of the prompt's full blocks, and where they are cached already
         hashes = chain_hashes(prompt, self.block_size, self.root_hash)
+        looked_up = time.perf_counter()
+        placement = common_pb2.Placement(prefill_site=self.placement.prefill_site,
+                                         decode_site=self.placement.decode_site,
+                                         cached_blocks=await self._cached_blocks(hashes),
+                                         directory_s=time.perf_counter() - looked_up)
         pre = await self.prefill.Prefill(prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt,
                                                                     sampling=pb_params, block_hashes=hashes),
                                          timeout=context.time_remaining())
@@ -80,7 +109,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         if pre.finished:
             timings.e2e_s = timings.ttft_s
             first.MergeFrom(router_pb2.GenerateResponse(finished=True, finish_reason=pre.finish_reason, usage=usage,
-                                                        timings=timings, placement=self.placement))
+                                                        timings=timings, placement=placement))
             yield first
             return
         yield first  # the client sees the first token before decode starts
@@ -101,7 +130,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     timings.e2e_s = done - received
                     timings.tpot_s = timings.decode_s / max(1, d.completion_tokens - 1)
                     msg.MergeFrom(router_pb2.GenerateResponse(finished=True, finish_reason=d.finish_reason, usage=usage,
-                                                              timings=timings, placement=self.placement))
+                                                              timings=timings, placement=placement))
                 yield msg
         finally:
             # A client cancel or deadline cancels this handler; cancel the decode call

@@ -1,0 +1,202 @@
+"""The KV block wire format (torch-free): a versioned header, then the (encoded) payload.
+
+Every block that leaves an engine travels and rests as a frame. The checksum (XXH3-64,
+~45 GB/s here) covers the invariant header fields and the *raw* payload, so a frame can
+be re-encoded in flight (codec, encoded_len change) and still be verified end to end
+against what the producing engine wrote. Header, little-endian, 72 bytes:
+
+  magic "EKVB" | version u8 | codec u8 | dtype u8 | flags u8
+  block_size u16 | num_layers u16 | num_kv_heads u16 | head_dim u16
+  root_hash 16B (model fingerprint + KV layout) | block_hash 16B
+  raw_len u64 | encoded_len u64 | checksum u64
+
+Rejections: a frame that is not this format or does not fit the reader's layout raises
+`LayoutMismatch` (INVALID_ARGUMENT); one that is cut short, fails its checksum or does
+not decode raises `CorruptFrame` (DATA_LOSS). Nothing else escapes the decoder.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, replace
+
+import xxhash
+
+from ember.kv import codec
+from ember.kv.block_hash import HASH_BYTES, KVLayout
+
+MAGIC = b"EKVB"
+VERSION = 1
+DTYPES = {"float32": 1, "bfloat16": 2, "float16": 3}
+DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+ELEMENT_BYTES = {1: 4, 2: 2, 3: 2}
+_HEADER = struct.Struct(f"<4sBBBBHHHH{HASH_BYTES}s{HASH_BYTES}sQQQ")
+HEADER_BYTES = _HEADER.size
+_MAX_RAW = 1 << 30
+
+
+class FrameError(ValueError):
+    status = "INVALID_ARGUMENT"
+
+
+class LayoutMismatch(FrameError):
+    """Not a frame this reader can use: wrong magic, version, model or KV layout."""
+
+
+class CorruptFrame(FrameError):
+    """The bytes were damaged or cut short: checksum, length or codec stream is wrong."""
+    status = "DATA_LOSS"
+
+
+@dataclass(frozen=True)
+class FrameHeader:
+    codec: int
+    dtype: int
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    root_hash: bytes
+    block_hash: bytes
+    raw_len: int
+    encoded_len: int
+    checksum: int = 0
+
+    @property
+    def element_bytes(self) -> int:
+        return ELEMENT_BYTES[self.dtype]
+
+    def pack(self) -> bytes:
+        return _HEADER.pack(MAGIC, VERSION, self.codec, self.dtype, 0, self.block_size, self.num_layers,
+                            self.num_kv_heads, self.head_dim, self.root_hash, self.block_hash, self.raw_len,
+                            self.encoded_len, self.checksum)
+
+    def invariant(self) -> bytes:
+        """The fields the checksum covers (everything but codec, encoded_len, checksum)."""
+        return replace(self, codec=0, encoded_len=0, checksum=0).pack()
+
+    def fits(self, expect: FrameHeader) -> None:
+        """LayoutMismatch unless this frame was made for `expect`'s model and KV layout."""
+        for name in ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "root_hash", "raw_len"):
+            got, want = getattr(self, name), getattr(expect, name)
+            if got != want:
+                shown = (got.hex(), want.hex()) if isinstance(got, bytes) else (got, want)
+                raise LayoutMismatch(f"KV block frame has {name}={shown[0]}, this server needs {shown[1]} "
+                                     "(a different model, KV dtype or layout)")
+
+
+def layout_header(layout: KVLayout, root_hash: bytes) -> FrameHeader:
+    """The header fields a reader with this layout expects (codec, hash and lengths aside)."""
+    return FrameHeader(codec=codec.RAW, dtype=DTYPES[layout.dtype], block_size=layout.block_size,
+                       num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                       root_hash=root_hash, block_hash=bytes(HASH_BYTES), raw_len=layout.block_bytes,
+                       encoded_len=layout.block_bytes)
+
+
+def frame_bytes(raw_len: int) -> int:
+    return HEADER_BYTES + raw_len
+
+
+def encode_frame(template: FrameHeader, block_hash: bytes, payload) -> bytes:
+    """A raw frame of `payload` (as the engine exported it) for the block `block_hash`."""
+    header = replace(template, codec=codec.RAW, block_hash=block_hash, raw_len=len(payload),
+                     encoded_len=len(payload), checksum=0)
+    header = replace(header, checksum=_checksum(header, payload))
+    return header.pack() + bytes(payload)
+
+
+def parse_header(buf) -> FrameHeader:
+    if len(buf) < HEADER_BYTES:
+        raise CorruptFrame(f"frame of {len(buf)} bytes is shorter than its {HEADER_BYTES}-byte header")
+    (magic, version, codec_id, dtype, _flags, block_size, num_layers, num_kv_heads, head_dim, root, block_hash,
+     raw_len, encoded_len, checksum) = _HEADER.unpack_from(buf)
+    if magic != MAGIC:
+        raise LayoutMismatch(f"not a KV block frame (magic {bytes(magic)!r})")
+    if version != VERSION:
+        raise LayoutMismatch(f"KV block frame version {version} is not supported (this build reads {VERSION})")
+    if codec_id not in codec.NAMES:
+        raise LayoutMismatch(f"KV block frame uses unknown codec {codec_id}")
+    if dtype not in DTYPE_NAMES:
+        raise LayoutMismatch(f"KV block frame has unknown dtype code {dtype}")
+    header = FrameHeader(codec_id, dtype, block_size, num_layers, num_kv_heads, head_dim, root, block_hash,
+                         raw_len, encoded_len, checksum)
+    expected_raw = 2 * num_layers * num_kv_heads * head_dim * block_size * ELEMENT_BYTES[dtype]
+    if raw_len != expected_raw or not 0 < raw_len <= _MAX_RAW:
+        raise CorruptFrame(f"frame says {raw_len} payload bytes, its layout implies {expected_raw}")
+    if codec_id == codec.RAW and encoded_len != raw_len:
+        raise CorruptFrame(f"raw frame says {encoded_len} encoded bytes for {raw_len} raw bytes")
+    if encoded_len > raw_len + (raw_len >> 4) + 64:
+        raise CorruptFrame(f"frame says {encoded_len} encoded bytes for {raw_len} raw bytes")
+    return header
+
+
+def decode_frame(buf, expect: FrameHeader | None = None, out: memoryview | None = None,
+                 block_hash: bytes | None = None) -> memoryview:
+    """The verified raw payload of a whole frame, made for `expect`'s layout and filed as
+    `block_hash` (when given). A raw frame's payload is returned as a view of `buf` (no
+    copy); an encoded one is decoded into `out` (or fresh memory)."""
+    buf = memoryview(buf)
+    header = parse_header(buf)
+    if expect is not None:
+        header.fits(expect)
+    if block_hash is not None and header.block_hash != block_hash:
+        raise LayoutMismatch(f"frame for block {block_hash.hex()} carries hash {header.block_hash.hex()}")
+    body = buf[HEADER_BYTES:]
+    if len(body) != header.encoded_len:
+        raise CorruptFrame(f"frame body is {len(body)} bytes, its header says {header.encoded_len}")
+    if header.codec == codec.RAW:
+        payload = body
+    else:
+        payload = out if out is not None else memoryview(bytearray(header.raw_len))
+        try:
+            codec.decode_into(header.codec, body, header.element_bytes, payload)
+        except codec.CodecError as e:
+            raise CorruptFrame(f"block {header.block_hash.hex()}: {e}") from e
+    verify(header, payload)
+    return payload
+
+
+def write_raw(frame, out: memoryview) -> FrameHeader:
+    """Verify a whole frame (any codec) and write it raw into `out`, which must be
+    `frame_bytes(raw_len)` long; returns the raw frame's header."""
+    frame = memoryview(frame)
+    header = parse_header(frame)
+    if len(out) != frame_bytes(header.raw_len):
+        raise ValueError(f"a {header.raw_len}-byte block does not fit a {len(out)}-byte slot")
+    body = frame[HEADER_BYTES:]
+    if len(body) != header.encoded_len:
+        raise CorruptFrame(f"frame body is {len(body)} bytes, its header says {header.encoded_len}")
+    payload = out[HEADER_BYTES:]
+    try:
+        codec.decode_into(header.codec, body, header.element_bytes, payload)
+    except codec.CodecError as e:
+        raise CorruptFrame(f"block {header.block_hash.hex()}: {e}") from e
+    header = replace(header, codec=codec.RAW, encoded_len=header.raw_len)
+    verify(header, payload)
+    out[:HEADER_BYTES] = header.pack()
+    return header
+
+
+def verify(header: FrameHeader, payload) -> None:
+    if _checksum(header, payload) != header.checksum:
+        raise CorruptFrame(f"block {header.block_hash.hex()} fails its checksum: the bytes were damaged")
+
+
+def reencode(frame, codec_id: int) -> tuple[FrameHeader, bytes | memoryview]:
+    """(header, body) of a stored raw frame re-encoded with `codec_id`, checksum kept."""
+    frame = memoryview(frame)
+    header = parse_header(frame)
+    body = frame[HEADER_BYTES:HEADER_BYTES + header.encoded_len]
+    if codec_id == header.codec:
+        return header, body
+    if header.codec != codec.RAW:
+        raise ValueError("only raw frames are re-encoded")
+    encoded = codec.encode(codec_id, body, header.element_bytes)
+    if len(encoded) >= len(body):  # incompressible: not worth the receiver's decode
+        return header, body
+    return replace(header, codec=codec_id, encoded_len=len(encoded)), encoded
+
+
+def _checksum(header: FrameHeader, payload) -> int:
+    h = xxhash.xxh3_64(header.invariant())
+    h.update(payload)
+    return h.intdigest()

@@ -1,0 +1,48 @@
+"""The block directory over gRPC: a servicer hosting a MemoryDirectory (the local cluster's
+router runs it) and the client kvstores publish through; `open_directory` picks by URL."""
+from __future__ import annotations
+
+from ember.kv.directory import BlockDirectory, MemoryDirectory, RedisDirectory
+from ember.rpc.server import channel
+from ember.v1 import directory_pb2, directory_pb2_grpc
+
+
+class DirectoryService(directory_pb2_grpc.BlockDirectoryServicer):
+    def __init__(self, directory: MemoryDirectory):
+        self.directory = directory
+
+    async def Publish(self, request, context):
+        await self.directory.publish(request.site, list(request.added), list(request.evicted))
+        return directory_pb2.PublishResponse()
+
+    async def Lookup(self, request, context):
+        prefix = await self.directory.lookup(list(request.block_hashes), list(request.sites))
+        return directory_pb2.DirectoryLookupResponse(prefix_blocks=prefix)
+
+
+class RemoteDirectory(BlockDirectory):
+    def __init__(self, address: str, ttl_s: float = 60.0, timeout_s: float = 0.5):
+        self.ttl_s, self.timeout_s = ttl_s, timeout_s
+        self.channel = channel(address)
+        self.stub = directory_pb2_grpc.BlockDirectoryStub(self.channel)
+
+    async def publish(self, site: str, added: list[bytes], evicted: list[bytes]) -> None:
+        await self.stub.Publish(directory_pb2.PublishRequest(site=site, added=added, evicted=evicted),
+                                timeout=self.timeout_s)
+
+    async def lookup(self, block_hashes: list[bytes], sites: list[str]) -> dict[str, int]:
+        response = await self.stub.Lookup(directory_pb2.DirectoryLookupRequest(block_hashes=block_hashes, sites=sites),
+                                          timeout=self.timeout_s)
+        return {site: response.prefix_blocks.get(site, 0) for site in sites}
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def open_directory(url: str, ttl_s: float = 60.0) -> BlockDirectory:
+    """redis://HOST:PORT[/DB] -> RedisDirectory; grpc://HOST:PORT -> RemoteDirectory."""
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        return RedisDirectory(url, ttl_s)
+    if url.startswith("grpc://"):
+        return RemoteDirectory(url.removeprefix("grpc://"), ttl_s)
+    raise ValueError(f"directory URL {url!r} must start with redis:// or grpc://")

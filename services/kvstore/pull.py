@@ -1,0 +1,92 @@
+"""Fetching blocks from a peer kvstore: TCP data plane (or gRPC bulk), codec choice per link."""
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from ember.kv import bulk, codec, transfer, wire
+from ember.rpc.server import channel
+from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
+from services.kvstore.store import BlockStore
+
+_MEASURE_MIN_BYTES = 4 * 2**20  # smaller pulls measure latency, not bandwidth
+
+
+@dataclass
+class Peer:
+    channel: grpc.aio.Channel
+    data_address: str | None = None  # None until asked
+    link_GBps: float | None = None   # observed on raw pulls (EWMA)
+
+
+class PeerFetcher:
+    """`mode`: raw, planes, or auto (planes only on links slow enough for it to pay)."""
+
+    def __init__(self, store: BlockStore, mode: str = "auto"):
+        if mode not in ("raw", "planes", "auto"):
+            raise ValueError(f"codec mode must be raw, planes or auto, got {mode!r}")
+        self.store, self.mode = store, mode
+        self.peers: dict[str, Peer] = {}
+
+    def peer(self, address: str) -> Peer:
+        if address not in self.peers:
+            self.peers[address] = Peer(channel(address))
+        return self.peers[address]
+
+    def codec_for(self, peer: Peer) -> int:
+        if self.mode == "auto":
+            width = self._element_bytes()
+            return codec.PLANES if peer.link_GBps is not None and width and codec.worth_it(peer.link_GBps, width) \
+                else codec.RAW
+        return codec.CODES[self.mode]
+
+    def _element_bytes(self) -> int | None:
+        for h in self.store.blocks:  # any stored frame tells the KV dtype
+            return wire.parse_header(self.store.get(h)).element_bytes
+        return None
+
+    async def fetch(self, source: str, hashes: list[bytes], timeout: float | None, reserve: Callable,
+                    on_wire: Callable[[int], None]) -> AsyncIterator[tuple[bytes, memoryview]]:
+        """Store blocks from `source`, yielding (hash, frame) as each lands."""
+        peer = self.peer(source)
+        if peer.data_address is None:
+            stats = await kvstore_pb2_grpc.KVStoreStub(peer.channel).Stats(kvstore_pb2.StatsRequest(), timeout=timeout)
+            peer.data_address = stats.data_address
+        if not peer.data_address:
+            async for block_hash, frame in bulk.fetch(peer.channel, hashes, timeout):
+                on_wire(len(frame))
+                yield block_hash, self._file(block_hash, frame, reserve)
+            return
+        codec_id = self.codec_for(peer)
+        start, raw_bytes, wire_bytes = time.perf_counter(), 0, 0
+
+        def counted(n: int) -> None:
+            nonlocal wire_bytes
+            wire_bytes += n
+            on_wire(n)
+        async for block_hash, slot, frame in transfer.fetch(peer.data_address, hashes, timeout, alloc=reserve,
+                                                            release=self.store.abandon, codec_id=codec_id,
+                                                            on_wire=counted):
+            self.store.commit(block_hash, slot)
+            raw_bytes += len(frame)
+            yield block_hash, frame
+        if codec_id == codec.RAW and raw_bytes >= _MEASURE_MIN_BYTES:
+            seen = raw_bytes / (time.perf_counter() - start) / 1e9
+            peer.link_GBps = seen if peer.link_GBps is None else 0.7 * peer.link_GBps + 0.3 * seen
+
+    def _file(self, block_hash: bytes, frame, reserve: Callable) -> memoryview:
+        """Verify a frame that came over gRPC and file it raw."""
+        header = wire.parse_header(frame)
+        if header.block_hash != block_hash:
+            raise wire.LayoutMismatch(f"frame for block {block_hash.hex()} carries hash {header.block_hash.hex()}")
+        slot, view = reserve(wire.frame_bytes(header.raw_len))
+        try:
+            wire.write_raw(frame, view)
+        except BaseException:
+            self.store.abandon(slot)
+            raise
+        self.store.commit(block_hash, slot)
+        return view
