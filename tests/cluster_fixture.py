@@ -9,5 +9,5 @@ from ember.model.fetch import DEFAULT_MODEL_PATH
 __all__ = ["free_port", "write_config"]
 
 
-def write_config(path: Path, **engine) -> dict[str, str]:
-    return write_local_config(path, str(DEFAULT_MODEL_PATH), **engine)
+def write_config(path: Path, directory: str | None = None, **engine) -> dict[str, str]:
+    return write_local_config(path, str(DEFAULT_MODEL_PATH), directory=directory, **engine)

@@ -87,7 +87,7 @@ def test_16_concurrent_streams_are_all_correct(client, engine):
 
 def test_second_turn_moves_only_new_blocks(client, cluster, engine):
     turn1 = engine.tokenizer.encode(LONG_TEXT[:1600] + "\nQ: How many boats?")
-    before = kv_stats(cluster["kv_edge"])
+    before, decode_before = kv_stats(cluster["kv_edge"]), decode_stats(cluster["decode"])
     first = client.complete(token_ids=turn1, max_tokens=8, ignore_eos=True, timeout=120)
     mid = kv_stats(cluster["kv_edge"])
     turn2 = turn1 + first.token_ids + engine.tokenizer.encode("\nQ: And what rose higher than anyone remembered?")
@@ -105,6 +105,14 @@ def test_second_turn_moves_only_new_blocks(client, cluster, engine):
     assert second.final.usage.cached_tokens == (len(turn1) // 16) * 16
     [want] = engine.generate([turn2], SamplingParams(max_tokens=8, ignore_eos=True))
     assert second.token_ids == want.token_ids
+    # same host: decode read every pulled frame straight out of its kvstore's shared arena
+    decode_after = decode_stats(cluster["decode"])
+    assert decode_after.blocks_shared_memory - decode_before.blocks_shared_memory == after.blocks_pulled - \
+        before.blocks_pulled
+    assert decode_after.blocks_grpc == decode_before.blocks_grpc
+    assert after.pinned_blocks == 0 and after.leases == 0, "decode released its lease"
+    # the router read the (in-memory) block directory: both sites hold turn 1's blocks
+    assert dict(second.final.placement.cached_blocks) == {"central": len(turn1) // 16, "edge": len(turn1) // 16}
 
 
 @pytest.mark.parametrize("kwargs, field", [

@@ -1,4 +1,4 @@
-"""KV store pieces in-process: slots, LRU, pins, chunking, the TCP data plane (torch-free)."""
+"""KV store pieces in-process: slots, LRU, pins, leases, chunking, the TCP data plane (torch-free)."""
 from __future__ import annotations
 
 import asyncio
@@ -6,9 +6,10 @@ import os
 
 import pytest
 
-from ember.kv import transfer
+from ember.kv import codec, transfer, wire
 from ember.kv.chunks import Assembler, split
-from services.kvstore.store import BlockStore
+from services.kvstore.store import BlockStore, LeaseError
+from tests.test_kv_wire import LAYOUT, TEMPLATE, kv_like
 
 BLOCK = 4096
 
@@ -65,21 +66,36 @@ def test_chunk_round_trip_and_malformed_streams():
         cut.finish()
 
 
-def test_data_plane_moves_blocks_into_slots_and_reports_missing():
+def frame(i: int, layout_seed: int = 0) -> tuple[bytes, bytes]:
+    """A real wire frame (bf16 KV-like values) for block i."""
+    h = (1000 + i).to_bytes(16, "little")
+    return h, wire.encode_frame(TEMPLATE, h, kv_like(LAYOUT.block_bytes, 2, seed=i))
+
+
+def slot_alloc(store: BlockStore):
+    def alloc(n):
+        slot = store.reserve(n)
+        return slot, store.view(slot)
+    return alloc
+
+
+@pytest.mark.parametrize("codec_id", [codec.RAW, codec.PLANES])
+def test_data_plane_moves_verified_frames_into_slots_and_reports_missing(codec_id):
     async def run():
-        src, dst = BlockStore(8 * BLOCK), BlockStore(8 * BLOCK)
+        size = wire.frame_bytes(LAYOUT.block_bytes)
+        src, dst = BlockStore(8 * size), BlockStore(8 * size)
         for i in range(5):
-            src.put(*block(i))
+            src.put(*frame(i))
         server = await transfer.serve("127.0.0.1", 0, src.pinned)
         address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
-        hashes = [block(i)[0] for i in range(5)]
-
-        def alloc(n):
-            slot = dst.reserve(n)
-            return slot, dst.view(slot)
-        async for h, slot, _ in transfer.fetch(address, hashes, timeout=10, alloc=alloc, release=dst.release):
+        hashes = [frame(i)[0] for i in range(5)]
+        wire_bytes = []
+        async for h, slot, _ in transfer.fetch(address, hashes, timeout=10, alloc=slot_alloc(dst),
+                                               release=dst.abandon, codec_id=codec_id, on_wire=wire_bytes.append):
             dst.commit(h, slot)
-        assert all(bytes(dst.get(h)) == block(i)[1] for i, h in enumerate(hashes))
+        assert all(bytes(dst.get(h)) == frame(i)[1] for i, h in enumerate(hashes)), "stored raw, bit-exact"
+        if codec_id == codec.PLANES:
+            assert sum(wire_bytes) < 0.8 * 5 * size, "compressed on the wire"
         with pytest.raises(transfer.BlockMissing):
             async for _ in transfer.fetch(address, [hashes[0], b"\x55" * 16], timeout=10):
                 pass
@@ -88,3 +104,68 @@ def test_data_plane_moves_blocks_into_slots_and_reports_missing():
             async for _ in transfer.fetch(address, hashes, timeout=5):
                 pass
     asyncio.run(run())
+
+
+def test_data_plane_refuses_a_damaged_block_and_never_files_it():
+    async def run():
+        size = wire.frame_bytes(LAYOUT.block_bytes)
+        src, dst = BlockStore(4 * size), BlockStore(4 * size)
+        good, bad = frame(0), frame(1)
+        src.put(*good)
+        src.put(*bad)
+        src.get(bad[0])[wire.HEADER_BYTES + 100] ^= 0xFF  # bit rot in the source store
+        server = await transfer.serve("127.0.0.1", 0, src.pinned)
+        address = f"127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        landed = []
+        with pytest.raises(wire.CorruptFrame, match="checksum"):
+            async for h, slot, _ in transfer.fetch(address, [good[0], bad[0]], timeout=10, alloc=slot_alloc(dst),
+                                                   release=dst.abandon):
+                dst.commit(h, slot)
+                landed.append(h)
+        assert landed == [good[0]] and bad[0] not in dst
+        assert len(dst.free_slots) == 3, "the damaged block's slot went back to the free list"
+        server.close()
+    asyncio.run(run())
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_leases_pin_until_released_and_expiry_is_a_clear_error():
+    clock = Clock()
+    store = BlockStore(2 * BLOCK, clock=clock)
+    store.put(*block(0))
+    store.put(*block(1))
+    lease = store.acquire([block(0)[0], block(1)[0], b"\x09" * 16], ttl_s=5)
+    assert lease.block_hashes == [block(0)[0], block(1)[0]], "missing blocks are not leased"
+    with pytest.raises(MemoryError, match="pinned"):
+        store.put(*block(2))  # every block is leased: refuse rather than overwrite
+    clock.now = 4
+    store.renew(lease.lease_id, ttl_s=5)
+    clock.now = 8
+    with pytest.raises(MemoryError):
+        store.put(*block(2))  # renewed: still held at t=8
+    clock.now = 9.5
+    store.put(*block(2))  # expired at t=9: its blocks are fair game again
+    assert store.stats.leases_expired == 1 and not store.pins
+    with pytest.raises(LeaseError, match="expired"):
+        store.release_lease(lease.lease_id)
+    with pytest.raises(LeaseError, match="unknown"):
+        store.release_lease(12345)
+    held = store.acquire([block(2)[0]], ttl_s=5)
+    store.release_lease(held.lease_id)
+    assert not store.pins and not store.leases
+
+
+def test_store_reports_adds_and_evictions_to_its_listener():
+    store = BlockStore(2 * BLOCK)
+    changes = []
+    store.on_change = lambda added, evicted: changes.append((added, evicted))
+    for i in range(3):
+        store.put(*block(i))
+    assert changes == [([block(0)[0]], []), ([block(1)[0]], []), ([], [block(0)[0]]), ([block(2)[0]], [])]

@@ -18,6 +18,7 @@ from ember.bench.measure import progress, write_result
 from ember.client import RouterClient
 from ember.cluster.launcher import down, up
 from ember.cluster.ports import write_local_config
+from ember.kv import wire
 from ember.kv.chunks import split
 from ember.rpc.server import CHANNEL_OPTIONS
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -47,8 +48,9 @@ def colocated_request(engine, ids: list[int], new_tokens: int) -> dict:
     return {"ttft_s": ttft, "e2e_s": e2e, "tpot_s": (e2e - ttft) / max(1, new_tokens - 1)}
 
 
-def kv_pull_throughput(addr: dict, num_blocks: int, block_bytes: int) -> dict:
-    blocks = [(os.urandom(16), os.urandom(block_bytes)) for _ in range(num_blocks)]
+def kv_pull_throughput(addr: dict, num_blocks: int, template: wire.FrameHeader) -> dict:
+    hashes = [os.urandom(16) for _ in range(num_blocks)]
+    blocks = [(h, wire.encode_frame(template, h, os.urandom(template.raw_len))) for h in hashes]
     with grpc.insecure_channel(addr["kv_central"], options=CHANNEL_OPTIONS) as ch:
         chunks = (kvstore_pb2.BlockChunk(block_hash=h, block_bytes=n, offset=o, data=d) for h, n, o, d in split(blocks))
         kvstore_pb2_grpc.KVStoreStub(ch).Put(chunks, timeout=120)
@@ -115,7 +117,7 @@ def main(args) -> int:
                                               for mode, rs in rows.items()}
             block_bytes = engine.layout.block_bytes
             progress("kvstore -> kvstore pull throughput")
-            result["kv_pull"] = kv_pull_throughput(addr, 256, block_bytes)
+            result["kv_pull"] = kv_pull_throughput(addr, 256, engine.frame_template)
             result["raw_tcp_GiBps"] = raw_tcp_throughput(256 * block_bytes)
         finally:
             down(run_dir)

@@ -13,7 +13,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def write_local_config(path: Path, model: str, kvstore_capacity_mb: int = 256, **engine) -> dict[str, str]:
+def write_local_config(path: Path, model: str, kvstore_capacity_mb: int = 256, directory: str | None = None,
+                       **engine) -> dict[str, str]:
     """A two-site cluster config on free ports; returns the addresses by role."""
     addr = {name: f"127.0.0.1:{free_port()}"
             for name in ("router", "prefill", "decode", "kv_central", "kv_edge", "kv_central_data", "kv_edge_data")}
@@ -31,5 +32,7 @@ def write_local_config(path: Path, model: str, kvstore_capacity_mb: int = 256, *
         "engine": {"kv_cache_mb": 128, "threads": 1, **engine},
         "kvstore_capacity_mb": kvstore_capacity_mb,
     }
+    if directory:
+        config["directory"] = directory
     path.write_text(yaml.safe_dump(config))
     return addr

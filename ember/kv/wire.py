@@ -5,7 +5,7 @@ Every block that leaves an engine travels and rests as a frame. The checksum (XX
 be re-encoded in flight (codec, encoded_len change) and still be verified end to end
 against what the producing engine wrote. Header, little-endian, 72 bytes:
 
-  magic "EKVB" | version u8 | codec u8 | dtype u8 | flags u8
+  magic "EKVB" | version u8 | codec u8 | dtype u8 | flags u8 (reserved, 0)
   block_size u16 | num_layers u16 | num_kv_heads u16 | head_dim u16
   root_hash 16B (model fingerprint + KV layout) | block_hash 16B
   raw_len u64 | encoded_len u64 | checksum u64
@@ -109,6 +109,8 @@ def parse_header(buf) -> FrameHeader:
         raise CorruptFrame(f"frame of {len(buf)} bytes is shorter than its {HEADER_BYTES}-byte header")
     (magic, version, codec_id, dtype, _flags, block_size, num_layers, num_kv_heads, head_dim, root, block_hash,
      raw_len, encoded_len, checksum) = _HEADER.unpack_from(buf)
+    if _flags:
+        raise LayoutMismatch(f"KV block frame sets flags {_flags:#x} this build does not know")
     if magic != MAGIC:
         raise LayoutMismatch(f"not a KV block frame (magic {bytes(magic)!r})")
     if version != VERSION:

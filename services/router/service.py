@@ -16,7 +16,6 @@ from ember.rpc.convert import sampling_from_pb, sampling_to_pb
 from ember.rpc.errors import RpcError
 from ember.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
 
-
 log = logging.getLogger("ember.router")
 DIRECTORY_TIMEOUT_S = 0.5
 DIRECTORY_RETRY_S = 1.0

@@ -1,0 +1,53 @@
+"""The local cluster with its block directory in a real Redis, and Redis killed mid-run."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from ember.client import RouterClient
+from ember.cluster.launcher import down, up
+from tests.cluster_fixture import free_port, write_config
+from tests.conftest import LONG_TEXT
+from tests.redis_fixture import RedisServer
+
+
+@pytest.fixture(scope="module")
+def redis_cluster(tmp_path_factory, model_path):
+    run_dir = tmp_path_factory.mktemp("redis-cluster")
+    redis = RedisServer(free_port(), run_dir).start()
+    addr = write_config(run_dir / "cluster.yaml", directory=redis.url)
+    try:
+        up(run_dir / "cluster.yaml", run_dir, timeout_s=240)
+        yield addr, redis
+    finally:
+        down(run_dir)
+        redis.stop()
+
+
+def cached_blocks(client: RouterClient, ids: list[int]) -> dict[str, int]:
+    out = client.complete(token_ids=ids, max_tokens=3, ignore_eos=True, timeout=120)
+    assert len(out.token_ids) == 3
+    return dict(out.final.placement.cached_blocks)
+
+
+def test_router_reads_redis_and_requests_survive_a_redis_crash(redis_cluster, engine):
+    addr, redis = redis_cluster
+    ids = engine.tokenizer.encode(LONG_TEXT[:700])
+    full = len(ids) // 16
+    with RouterClient(addr["router"]) as client:
+        assert cached_blocks(client, ids) == {"central": 0, "edge": 0}, "nothing cached on the first request"
+        time.sleep(0.3)  # kvstores publish in batches every 50 ms
+        assert cached_blocks(client, ids) == {"central": full, "edge": full}
+
+        redis.stop()  # crash: the directory is gone, requests must not be
+        started = time.monotonic()
+        assert cached_blocks(client, ids) == {}, "directory down: placement sees nothing, the request still runs"
+        assert cached_blocks(client, ids + [42] * 20) == {}
+        assert time.monotonic() - started < 60
+
+        redis.start()  # back, empty: kvstores re-publish what they hold
+        deadline = time.monotonic() + 30
+        while (seen := cached_blocks(client, ids)) != {"central": full, "edge": full}:
+            assert time.monotonic() < deadline, f"directory did not recover: {seen}"
+            time.sleep(0.5)

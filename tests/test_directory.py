@@ -1,0 +1,117 @@
+"""The block directory: one contract for the in-memory and the Redis implementation (a real
+redis-server), the kvstore's publisher, and surviving a Redis crash (torch-free)."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ember.kv.directory import MemoryDirectory, RedisDirectory
+from services.kvstore.publisher import Publisher
+from services.kvstore.store import BlockStore
+from tests.cluster_fixture import free_port
+from tests.redis_fixture import RedisServer
+
+H = [bytes([i]) * 16 for i in range(8)]
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(free_port(), tmp_path).start()
+    yield server
+    server.stop()
+
+
+def make_directory(kind: str, redis_server, ttl_s: float):
+    return MemoryDirectory(ttl_s) if kind == "memory" else RedisDirectory(redis_server.url, ttl_s)
+
+
+def run(coro):
+    asyncio.run(asyncio.wait_for(coro, 30))
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_directory_reports_the_longest_cached_prefix_per_site(kind, redis_server):
+    async def go():
+        d = make_directory(kind, redis_server, ttl_s=30)
+        await d.publish("central", H[:5], [])
+        await d.publish("edge", [H[0], H[1], H[3]], [])
+        assert await d.lookup(H[:6], ["central", "edge", "nowhere"]) == {"central": 5, "edge": 2, "nowhere": 0}
+        await d.publish("central", [], [H[2]])
+        assert await d.lookup(H[:6], ["central"]) == {"central": 2}
+        assert await d.lookup([], ["central"]) == {"central": 0}
+        await d.close()
+    run(go())
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+def test_entries_of_a_silent_kvstore_age_out(kind, redis_server):
+    async def go():
+        d = make_directory(kind, redis_server, ttl_s=0.3)
+        await d.publish("edge", H[:3], [])
+        assert (await d.lookup(H[:3], ["edge"]))["edge"] == 3
+        await asyncio.sleep(0.5)
+        assert (await d.lookup(H[:3], ["edge"]))["edge"] == 0, "a dead kvstore's entries expire"
+        await d.close()
+    run(go())
+
+
+def test_redis_lookup_is_one_round_trip(redis_server):
+    async def go():
+        d = RedisDirectory(redis_server.url)
+        await d.publish("a", H, [])
+        before = (await d.redis.info("stats"))["total_commands_processed"]
+        await d.lookup(H, ["a", "b", "c"])
+        after = (await d.redis.info("stats"))["total_commands_processed"]
+        assert after - before == 2, "one MGET (plus the INFO that measures it)"
+        await d.close()
+    run(go())
+
+
+def block(i: int) -> tuple[bytes, bytes]:
+    return H[i], bytes([i]) * 4096
+
+
+def test_publisher_follows_the_store_and_resyncs_after_redis_comes_back(redis_server):
+    async def wait_for(predicate, timeout_s=8.0):
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while not await predicate():
+            assert asyncio.get_running_loop().time() < deadline, "timed out"
+            await asyncio.sleep(0.05)
+
+    async def go():
+        store = BlockStore(3 * 4096)
+        reader = RedisDirectory(redis_server.url)
+        publisher = Publisher(store, RedisDirectory(redis_server.url, ttl_s=30), "edge", retry_s=0.2)
+        publisher.start()
+        for i in range(3):
+            store.put(*block(i))
+        await wait_for(lambda: _prefix(reader, 3, 3))
+        store.put(*block(3))  # evicts block 0
+        await wait_for(lambda: _prefix(reader, 4, 0))
+        assert (await reader.lookup(H[1:4], ["edge"]))["edge"] == 3
+
+        redis_server.stop()  # crash: the publisher must not fail the store
+        store.put(*block(4))
+        await asyncio.sleep(0.5)
+        assert not publisher.healthy and not publisher._task.done(), "still running, marked unhealthy"
+        redis_server.start()  # empty: nothing persisted
+        await wait_for(lambda: _held(reader, H[2:5]))  # resynced, including the block added meanwhile
+
+        async def healthy():
+            return publisher.healthy
+        await wait_for(healthy)
+        await publisher.stop()
+        await reader.close()
+    run(go())
+
+
+async def _prefix(reader: RedisDirectory, n: int, want: int) -> bool:
+    return (await reader.lookup(H[:n], ["edge"]))["edge"] == want
+
+
+async def _held(reader: RedisDirectory, hashes: list[bytes]) -> bool:
+    try:
+        return (await reader.lookup(hashes, ["edge"]))["edge"] == len(hashes)
+    except Exception:  # noqa: BLE001 - the reader reconnects once redis is back
+        return False

@@ -1,0 +1,153 @@
+"""The KVStore servicer over real gRPC (two stores in one process): pulls, capacity,
+integrity, leases, codecs and the shared-memory arena (torch-free)."""
+from __future__ import annotations
+
+import asyncio
+import os
+from contextlib import asynccontextmanager
+
+import grpc
+import pytest
+
+from ember.kv import transfer, wire
+from ember.kv.chunks import split
+from ember.kv.shm import ArenaReader, ArenaServer
+from ember.rpc.errors import ErrorInterceptor
+from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
+from services.kvstore.service import KVStoreService
+from services.kvstore.store import BlockStore
+from tests.test_kvstore_unit import frame
+
+SIZE = wire.frame_bytes(2 * 2 * 2 * 16 * 4 * 2)  # tests.test_kv_wire.LAYOUT
+
+
+@asynccontextmanager
+async def kvstore(num_blocks: int, codec_mode: str = "raw"):
+    """A real grpc.aio KVStore server with its TCP data plane; yields (service, stub, address)."""
+    store = BlockStore(num_blocks * SIZE)
+    data = await transfer.serve("127.0.0.1", 0, store.pinned)
+    service = KVStoreService(store, f"127.0.0.1:{data.sockets[0].getsockname()[1]}", codec_mode)
+    server = grpc.aio.server(interceptors=[ErrorInterceptor()])
+    kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    address = f"127.0.0.1:{port}"
+    async with grpc.aio.insecure_channel(address) as ch:
+        try:
+            yield service, kvstore_pb2_grpc.KVStoreStub(ch), address
+        finally:
+            data.close()
+            await server.stop(0)
+
+
+def run(coro):
+    asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def put_request(blocks):
+    return (kvstore_pb2.BlockChunk(block_hash=h, block_bytes=n, offset=o, data=d) for h, n, o, d in split(blocks))
+
+
+def test_concurrent_pulls_of_the_same_blocks_fetch_them_once():
+    async def go():
+        async with kvstore(16) as (src, _, src_addr), kvstore(16) as (dst, dst_stub, _):
+            blocks = [frame(i) for i in range(6)]
+            for h, f in blocks:
+                src.store.put(h, f)
+            hashes = [h for h, _ in blocks]
+            request = kvstore_pb2.PullRequest(block_hashes=hashes, source=src_addr)
+            first, second = await asyncio.gather(dst_stub.Pull(request), dst_stub.Pull(request))
+            assert first.blocks_pulled + second.blocks_pulled == 6
+            assert src.store.stats.blocks_served == 6, "each block crossed once"
+            assert all(bytes(dst.store.get(h)) == f for h, f in blocks)
+    run(go())
+
+
+def test_a_pull_beyond_capacity_is_resource_exhausted_and_writes_no_partial_block():
+    async def go():
+        async with kvstore(8) as (src, _, src_addr), kvstore(2) as (dst, dst_stub, _):
+            blocks = [frame(i) for i in range(3)]
+            for h, f in blocks:
+                src.store.put(h, f)
+            request = kvstore_pb2.PullRequest(block_hashes=[h for h, _ in blocks], source=src_addr, lease_s=30)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await dst_stub.Pull(request)  # the lease pins what landed, so the third cannot evict
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert len(dst.store.blocks) == 2 and not dst.store.pins and not dst.store.leases
+            for h, f in blocks[:2]:
+                assert bytes(dst.store.get(h)) == f, "what was stored is whole"
+    run(go())
+
+
+def test_put_refuses_damaged_and_misfiled_frames():
+    async def go():
+        async with kvstore(4) as (svc, stub, _):
+            h, f = frame(0)
+            damaged = bytearray(f)
+            damaged[-5] ^= 1
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Put(put_request([(h, bytes(damaged))]))
+            assert e.value.code() == grpc.StatusCode.DATA_LOSS and "checksum" in e.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Put(put_request([(b"\x01" * 16, f)]))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "carries hash" in e.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Put(put_request([(h, b"garbage" * 10)]))
+            assert e.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DATA_LOSS)
+            assert not svc.store.blocks and len(svc.store.free_slots) == 4, "nothing filed, no slot leaked"
+            assert (await stub.Put(put_request([(h, f)]))).blocks_stored == 1
+    run(go())
+
+
+def test_an_expired_lease_is_failed_precondition_not_silence():
+    async def go():
+        async with kvstore(4) as (svc, stub, _):
+            h, f = frame(0)
+            svc.store.put(h, f)
+            lease = await stub.Acquire(kvstore_pb2.AcquireRequest(block_hashes=[h, b"\x07" * 16], lease_s=0.2))
+            assert list(lease.present) == [True, False] and lease.frame_bytes == SIZE
+            assert (await stub.Stats(kvstore_pb2.StatsRequest())).pinned_blocks == 1
+            await stub.Renew(kvstore_pb2.LeaseRequest(lease_id=lease.lease_id, lease_s=0.2))
+            await asyncio.sleep(0.3)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Release(kvstore_pb2.LeaseRequest(lease_id=lease.lease_id))
+            assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "expired" in e.value.details()
+            stats = await stub.Stats(kvstore_pb2.StatsRequest())
+            assert stats.pinned_blocks == 0 and stats.leases == 0 and stats.leases_expired == 1
+    run(go())
+
+
+def test_planes_codec_pull_crosses_fewer_bytes_and_stores_exact_frames():
+    async def go():
+        async with kvstore(8) as (src, _, src_addr), kvstore(8, codec_mode="planes") as (dst, dst_stub, _):
+            blocks = [frame(i) for i in range(4)]
+            for h, f in blocks:
+                src.store.put(h, f)
+            pulled = await dst_stub.Pull(kvstore_pb2.PullRequest(block_hashes=[h for h, _ in blocks], source=src_addr))
+            assert pulled.codec == "planes" and pulled.bytes_pulled == 4 * SIZE
+            assert pulled.wire_bytes < 0.8 * pulled.bytes_pulled
+            assert all(bytes(dst.store.get(h)) == f for h, f in blocks)
+    run(go())
+
+
+def test_shared_memory_arena_gives_same_host_readers_the_frames(tmp_path):
+    store = BlockStore(4 * SIZE)
+    store_id = os.urandom(16)
+    blocks = [frame(i) for i in range(3)]
+    for h, f in blocks:
+        store.put(h, f)
+    for name in (str(tmp_path / "arena.sock"), f"@ember-test-{store_id.hex()}"):
+        server = ArenaServer(name, store.fd, store.capacity_bytes, store_id)
+        try:
+            reader = ArenaReader.try_open(name, store_id)
+            assert reader is not None
+            for h, f in blocks:
+                assert bytes(reader.frame(store.offset(h), SIZE)) == f
+            store.put(*frame(9))  # written after mapping: visible through the shared map
+            assert bytes(reader.frame(store.offset(frame(9)[0]), SIZE)) == frame(9)[1]
+            assert ArenaReader.try_open(name, os.urandom(16)) is None, "another store's socket is not used"
+            with pytest.raises(ValueError):
+                reader.frame(len(reader.view), SIZE)
+        finally:
+            server.close()
+    assert ArenaReader.try_open(str(tmp_path / "missing.sock"), store_id) is None
