@@ -8,6 +8,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -17,8 +18,10 @@ from ember.client import RouterClient
 from ember.cluster.launcher import REPO_ROOT, down, up, wait_serving
 from ember.engine.sampling_params import SamplingParams
 from ember.kv import wire
+from ember.kv.block_hash import chain_hashes
+from ember.kv.chunks import split
 from ember.rpc.server import CHANNEL_OPTIONS
-from ember.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
+from ember.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 from tests.cluster_fixture import free_port, write_config
 from tests.conftest import LONG_TEXT, PROMPTS
 
@@ -169,6 +172,26 @@ def wait_for_idle_decode(address: str, timeout_s: float = 20) -> None:
             return
         assert time.monotonic() < deadline, f"decode did not return to idle: {s}"
         time.sleep(0.2)
+
+
+def test_decode_refuses_a_block_made_for_another_model_and_imports_nothing(cluster, engine):
+    ids = engine.tokenizer.encode("A block forged for another model must never be imported. " * 6)
+    hashes = chain_hashes(ids, 16, engine.block_manager.root_hash)[:2]
+    foreign = replace(engine.frame_template, root_hash=b"\x99" * 16)  # same shapes, another model
+    frames = [(h, wire.encode_frame(foreign, h, bytes(engine.layout.block_bytes))) for h in hashes]
+    with grpc.insecure_channel(cluster["kv_edge"], options=CHANNEL_OPTIONS) as ch:
+        chunks = (kvstore_pb2.BlockChunk(block_hash=h, block_bytes=n, offset=o, data=d) for h, n, o, d in split(frames))
+        assert kvstore_pb2_grpc.KVStoreStub(ch).Put(chunks, timeout=30).blocks_stored == 2  # bytes to the store
+    before = decode_stats(cluster["decode"])
+    request = decode_pb2.DecodeRequest(request_id="forged", prompt_token_ids=ids, first_token=5, block_hashes=hashes,
+                                       source_kvstore=cluster["kv_central"],
+                                       sampling=common_pb2.SamplingParams(max_tokens=4))
+    with grpc.insecure_channel(cluster["decode"]) as ch, pytest.raises(grpc.RpcError) as e:
+        list(decode_pb2_grpc.DecodeStub(ch).Decode(request, timeout=30))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "root_hash" in e.value.details()
+    after = decode_stats(cluster["decode"])
+    assert after.used_blocks == before.used_blocks == 0 and after.running == 0
+    assert kv_stats(cluster["kv_edge"]).leases == 0, "the lease was released on the error path"
 
 
 def test_pull_from_a_dead_peer_is_unavailable_not_a_hang(cluster):

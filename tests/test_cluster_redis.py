@@ -1,12 +1,16 @@
-"""The local cluster with its block directory in a real Redis, and Redis killed mid-run."""
+"""The local cluster with its block directory in a real Redis, and Redis killed mid-run;
+shared memory off, so decode takes the gRPC fallback for KV frames."""
 from __future__ import annotations
 
 import time
 
+import grpc
 import pytest
 
 from ember.client import RouterClient
 from ember.cluster.launcher import down, up
+from ember.engine.sampling_params import SamplingParams
+from ember.v1 import decode_pb2, decode_pb2_grpc
 from tests.cluster_fixture import free_port, write_config
 from tests.conftest import LONG_TEXT
 from tests.redis_fixture import RedisServer
@@ -16,7 +20,7 @@ from tests.redis_fixture import RedisServer
 def redis_cluster(tmp_path_factory, model_path):
     run_dir = tmp_path_factory.mktemp("redis-cluster")
     redis = RedisServer(free_port(), run_dir).start()
-    addr = write_config(run_dir / "cluster.yaml", directory=redis.url)
+    addr = write_config(run_dir / "cluster.yaml", directory=redis.url, shared_memory=False)
     try:
         up(run_dir / "cluster.yaml", run_dir, timeout_s=240)
         yield addr, redis
@@ -51,3 +55,15 @@ def test_router_reads_redis_and_requests_survive_a_redis_crash(redis_cluster, en
         while (seen := cached_blocks(client, ids)) != {"central": full, "edge": full}:
             assert time.monotonic() < deadline, f"directory did not recover: {seen}"
             time.sleep(0.5)
+
+
+def test_without_shared_memory_decode_streams_frames_over_grpc_and_tokens_match(redis_cluster, engine):
+    addr, _ = redis_cluster
+    ids = engine.tokenizer.encode("In the archive by the quay, " + LONG_TEXT[700:1400])
+    with RouterClient(addr["router"]) as client:
+        out = client.complete(token_ids=ids, max_tokens=6, timeout=120)
+    [want] = engine.generate([ids], SamplingParams(max_tokens=6))
+    assert out.token_ids == want.token_ids
+    with grpc.insecure_channel(addr["decode"]) as ch:
+        stats = decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.DecodeStatsRequest(), timeout=10)
+    assert stats.blocks_grpc >= len(ids) // 16 and stats.blocks_shared_memory == 0

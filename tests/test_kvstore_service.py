@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 import grpc
 import pytest
 
-from ember.kv import transfer, wire
+from ember.kv import bulk, transfer, wire
 from ember.kv.chunks import split
 from ember.kv.shm import ArenaReader, ArenaServer
 from ember.rpc.errors import ErrorInterceptor
@@ -29,6 +29,7 @@ async def kvstore(num_blocks: int, codec_mode: str = "raw"):
     service = KVStoreService(store, f"127.0.0.1:{data.sockets[0].getsockname()[1]}", codec_mode)
     server = grpc.aio.server(interceptors=[ErrorInterceptor()])
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, server)
+    server.add_generic_rpc_handlers((bulk.handler(store.pinned, service.put_frame),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     address = f"127.0.0.1:{port}"
@@ -96,6 +97,24 @@ def test_put_refuses_damaged_and_misfiled_frames():
             assert e.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DATA_LOSS)
             assert not svc.store.blocks and len(svc.store.free_slots) == 4, "nothing filed, no slot leaked"
             assert (await stub.Put(put_request([(h, f)]))).blocks_stored == 1
+    run(go())
+
+
+def test_bulk_put_and_get_move_whole_frames_and_refuse_damage():
+    async def go():
+        async with kvstore(4) as (svc, _, address):
+            blocks = [frame(i) for i in range(3)]
+            async with grpc.aio.insecure_channel(address) as ch:
+                assert await bulk.put(ch, blocks[:2], timeout=10) == (2, 0)
+                assert await bulk.put(ch, blocks, timeout=10) == (1, 2)
+                got = [(h, bytes(f)) async for h, f in bulk.fetch(ch, [h for h, _ in blocks], timeout=10)]
+                assert got == blocks
+                h, f = frame(7)
+                damaged = f[:-1] + bytes([f[-1] ^ 1])
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await bulk.put(ch, [(h, damaged)], timeout=10)
+                assert e.value.code() == grpc.StatusCode.DATA_LOSS
+                assert h not in svc.store
     run(go())
 
 

@@ -4,7 +4,8 @@ Real kvstore processes (`python -m services.kvstore`), real KV blocks (the model
 for an English prompt, as wire frames), alternating rep by rep so every path sees the
 same machine state:
 - raw loopback TCP, one sender thread, one receiver: the ceiling, measured now;
-- put: a client streaming frames into a kvstore (typed gRPC Put);
+- put: a client streaming frames into a kvstore: typed gRPC Put, and the raw-bytes bulk
+  Put prefill uses;
 - pull: one kvstore pulling from another through the gRPC Pull API (bytes on the
   kvstores' TCP data plane), raw and with the planes codec;
 - same-host read: what decode does: lease the blocks, read them from the kvstore's
@@ -147,6 +148,20 @@ def put_GBps(store: KVStoreProcess, frames: list[tuple[bytes, bytes]]) -> float:
     return sum(len(f) for _, f in frames) / seconds / 1e9
 
 
+def bulk_put_GBps(store: KVStoreProcess, frames: list[tuple[bytes, bytes]]) -> float:
+    """What prefill uses: raw-bytes gRPC, one message per frame."""
+    import asyncio
+
+    async def send() -> int:
+        async with grpc.aio.insecure_channel(store.address, options=CHANNEL_OPTIONS) as ch:
+            return (await bulk.put(ch, frames, timeout=300))[0]
+    start = time.perf_counter()
+    stored = asyncio.run(send())
+    seconds = time.perf_counter() - start
+    assert stored == len(frames), f"bulk put stored {stored} of {len(frames)}"
+    return sum(len(f) for _, f in frames) / seconds / 1e9
+
+
 def pull(dst: KVStoreProcess, src: KVStoreProcess, hashes: list[bytes]) -> kvstore_pb2.PullResponse:
     start = time.perf_counter()
     pulled = dst.stub.Pull(kvstore_pb2.PullRequest(block_hashes=hashes, source=src.address), timeout=300)
@@ -205,11 +220,12 @@ def main(args) -> int:
         return [(h, wire.encode_frame(template, h, payloads32[i % len(payloads32)])) for i, h in enumerate(hashes)]
     frame_bytes = wire.frame_bytes(template.raw_len)
     set_mb = num_blocks * frame_bytes // 2**20 + 1
-    rows: dict[str, list[float]] = {k: [] for k in ("raw_tcp", "put", "pull", "pull_planes", "same_host", "grpc_read")}
+    rows: dict[str, list[float]] = {k: [] for k in ("raw_tcp", "put", "bulk_put", "pull", "pull_planes", "same_host",
+                                                    "grpc_read")}
     wire_ratio = []
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp)
-        src = KVStoreProcess(run_dir, "src", capacity_mb=set_mb * (reps + 1))
+        src = KVStoreProcess(run_dir, "src", capacity_mb=2 * set_mb * reps + 8)
         dst = KVStoreProcess(run_dir, "dst", capacity_mb=set_mb + 8)
         dst_planes = KVStoreProcess(run_dir, "dst-planes", capacity_mb=set_mb + 8, codec_mode="planes")
         try:
@@ -225,7 +241,8 @@ def main(args) -> int:
                 frames = frames_for(rep)
                 hashes = [h for h, _ in frames]
                 rows["raw_tcp"].append(raw_tcp_GBps(num_blocks * frame_bytes))
-                rows["put"].append(put_GBps(src, frames))
+                rows["put"].append(put_GBps(src, frames_for(rep)))  # another fresh set
+                rows["bulk_put"].append(bulk_put_GBps(src, frames))
                 pulled = pull(dst, src, hashes)
                 rows["pull"].append(pulled.bytes_pulled / pulled.seconds / 1e9)
                 rows["same_host"].append(same_host_read_GBps(dst, arena, hashes, dest, template))
@@ -240,7 +257,8 @@ def main(args) -> int:
     med = {k: statistics.median(v) for k, v in rows.items()}
     c = result["codec"]
     result.update({
-        "raw_tcp_GBps": med["raw_tcp"], "put_GBps": med["put"], "grpc_pull_GBps": med["pull"],
+        "raw_tcp_GBps": med["raw_tcp"], "put_GBps": med["put"], "bulk_put_GBps": med["bulk_put"],
+        "grpc_pull_GBps": med["pull"],
         "planes_pull_GBps": med["pull_planes"], "planes_pull_wire_fraction": statistics.median(wire_ratio),
         "same_host_GBps": med["same_host"], "grpc_read_GBps": med["grpc_read"],
         "bf16_kv_saving": c["bf16_kv"]["saving"], "fp32_kv_saving": c["fp32_kv"]["saving"],

@@ -51,6 +51,8 @@ class ClusterConfig(BaseModel):
     engine: EngineSettings = EngineSettings()
     kvstore_capacity_mb: int = Field(1024, gt=0)
     kvstore_codec: Literal["auto", "raw", "planes"] = "auto"  # asked of peers on pulls
+    # same-host readers (decode) map the kvstore's block arena; off: they stream over gRPC
+    kvstore_shared_memory: bool = True
     # Block directory: a Redis URL (redis://HOST:PORT/DB) shared by all sites, or None for
     # the in-memory directory the router hosts (the embedded default).
     directory: str | None = None

@@ -32,6 +32,8 @@ def service_commands(config: ClusterConfig, config_path: Path) -> dict[str, tupl
                 "--directory", config.directory_url(), "--directory-ttl-s", str(config.directory_ttl_s)]
         if site.kvstore_data:
             argv += ["--data-listen", site.kvstore_data]
+        if not config.kvstore_shared_memory:
+            argv += ["--shm-socket", "off"]
         commands[f"kvstore-{site.name}"] = (argv, site.kvstore)
         if site.prefill and site.name == config.prefill_site:
             commands[f"prefill-{site.name}"] = ([py, "-m", "services.prefill", "--config", cfg, "--site", site.name],

@@ -14,7 +14,7 @@ def free_port() -> int:
 
 
 def write_local_config(path: Path, model: str, kvstore_capacity_mb: int = 256, directory: str | None = None,
-                       **engine) -> dict[str, str]:
+                       shared_memory: bool = True, **engine) -> dict[str, str]:
     """A two-site cluster config on free ports; returns the addresses by role."""
     addr = {name: f"127.0.0.1:{free_port()}"
             for name in ("router", "prefill", "decode", "kv_central", "kv_edge", "kv_central_data", "kv_edge_data")}
@@ -34,5 +34,7 @@ def write_local_config(path: Path, model: str, kvstore_capacity_mb: int = 256, d
     }
     if directory:
         config["directory"] = directory
+    if not shared_memory:
+        config["kvstore_shared_memory"] = False
     path.write_text(yaml.safe_dump(config))
     return addr

@@ -7,6 +7,7 @@ import logging
 import grpc
 
 from ember.engine.errors import CapacityError, IntegrityError, InvalidRequestError
+from ember.kv import wire
 
 log = logging.getLogger("ember.rpc")
 
@@ -34,6 +35,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return code, f"{exc.details()}"
     if isinstance(exc, IntegrityError):
         return grpc.StatusCode.DATA_LOSS, str(exc)
+    if isinstance(exc, wire.FrameError):  # damaged -> DATA_LOSS, not ours / wrong layout -> INVALID_ARGUMENT
+        return getattr(grpc.StatusCode, exc.status), f"KV block refused: {exc}"
     if isinstance(exc, (InvalidRequestError, ValueError)):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, CapacityError):

@@ -24,7 +24,7 @@ async def main(args) -> None:
     arena = ArenaServer(shm_socket, store.fd, store.capacity_bytes, store_id) if shm_socket else None
     service = KVStoreService(store, args.data_listen or "", args.codec, shm_socket, store_id)
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, server.server)
-    server.server.add_generic_rpc_handlers((bulk.get_handler(store.pinned),))
+    server.server.add_generic_rpc_handlers((bulk.handler(store.pinned, service.put_frame),))
     data_server = None
     if args.data_listen:
         host, port = args.data_listen.rsplit(":", 1)

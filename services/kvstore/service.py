@@ -13,12 +13,6 @@ from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.kvstore.pull import PeerFetcher
 from services.kvstore.store import BlockStore, LeaseError
 
-FRAME_ERRORS = {"DATA_LOSS": grpc.StatusCode.DATA_LOSS, "INVALID_ARGUMENT": grpc.StatusCode.INVALID_ARGUMENT}
-
-
-def frame_error(e: wire.FrameError) -> RpcError:
-    return RpcError(FRAME_ERRORS[e.status], str(e))
-
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: BlockStore, data_address: str = "", codec_mode: str = "auto",
@@ -42,7 +36,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             except ValueError as e:
                 raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"malformed block stream: {e}") from e
             if block is not None:
-                if self._put_frame(*block):
+                if self.put_frame(*block):
                     stored += 1
                 else:
                     present += 1
@@ -52,23 +46,21 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             raise RpcError(grpc.StatusCode.DATA_LOSS, f"block stream cut short: {e}") from e
         return kvstore_pb2.PutResponse(blocks_stored=stored, blocks_present=present)
 
-    def _put_frame(self, block_hash: bytes, frame) -> bool:
-        """Verify and file one frame; a damaged or foreign one is refused, never stored."""
+    def put_frame(self, block_hash: bytes, frame) -> bool:
+        """Verify and file one frame; a damaged or foreign one is refused (wire.FrameError:
+        DATA_LOSS or INVALID_ARGUMENT), never stored."""
         if block_hash in self.store:
             self.store.get(block_hash)
             return False
+        header = wire.parse_header(frame)
+        if header.block_hash != block_hash:
+            raise wire.LayoutMismatch(f"frame filed as {block_hash.hex()} carries hash {header.block_hash.hex()}")
+        slot, view = self._reserve(wire.frame_bytes(header.raw_len))
         try:
-            header = wire.parse_header(frame)
-            if header.block_hash != block_hash:
-                raise wire.LayoutMismatch(f"frame filed as {block_hash.hex()} carries hash {header.block_hash.hex()}")
-            slot, view = self._reserve(wire.frame_bytes(header.raw_len))
-            try:
-                wire.write_raw(frame, view)
-            except BaseException:
-                self.store.abandon(slot)
-                raise
-        except wire.FrameError as e:
-            raise frame_error(e) from e
+            wire.write_raw(frame, view)
+        except BaseException:
+            self.store.abandon(slot)
+            raise
         return self.store.commit(block_hash, slot)
 
     def _reserve(self, num_bytes: int) -> tuple[int, memoryview]:
@@ -137,8 +129,6 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
                 if lease is not None:
                     self.store.add_to_lease(lease.lease_id, block_hash)
                 futures[block_hash].set_result(True)
-        except wire.FrameError as e:
-            raise frame_error(e) from e
         finally:
             for h, f in futures.items():
                 self._inflight.pop(h, None)

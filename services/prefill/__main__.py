@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from ember.rpc.server import channel, run_service
-from ember.v1 import kvstore_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from ember.v1 import prefill_pb2, prefill_pb2_grpc
 from services.common import engine_args, load, serve_engine_service
 from services.prefill.service import PrefillService
 
@@ -10,7 +10,7 @@ from services.prefill.service import PrefillService
 async def main(args) -> None:
     config = load(args)
     site = config.site(args.site)
-    service = PrefillService(site.name, site.kvstore, kvstore_pb2_grpc.KVStoreStub(channel(site.kvstore)))
+    service = PrefillService(site.name, site.kvstore, channel(site.kvstore))
     await serve_engine_service(site.prefill, prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name,
                                service, prefill_pb2_grpc.add_PrefillServicer_to_server, config)
 

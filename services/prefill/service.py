@@ -8,8 +8,8 @@ import grpc
 
 from ember.engine.detokenizer import streamed_text
 from ember.engine.engine import LLMEngine, RequestOutput
+from ember.kv import bulk
 from ember.kv.block_hash import chain_hashes
-from ember.kv.chunks import split
 from ember.rpc.convert import sampling_from_pb
 from ember.rpc.errors import RpcError, require_ready
 from ember.serving.async_engine import AsyncEngine
@@ -17,11 +17,12 @@ from ember.v1 import kvstore_pb2, kvstore_pb2_grpc, prefill_pb2, prefill_pb2_grp
 
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, site: str, kvstore_address: str, kvstore: kvstore_pb2_grpc.KVStoreStub):
+    def __init__(self, site: str, kvstore_address: str, kvstore_channel: grpc.aio.Channel):
         self.engine: AsyncEngine | None = None  # set once the model is loaded
         self.site = site
         self.kvstore_address = kvstore_address
-        self.kvstore = kvstore
+        self.kvstore_channel = kvstore_channel
+        self.kvstore = kvstore_pb2_grpc.KVStoreStub(kvstore_channel)
 
     async def Prefill(self, request, context):
         require_ready(self.engine)
@@ -49,9 +50,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             final = out
         stored = 0
         if exported:
-            chunks = (kvstore_pb2.BlockChunk(block_hash=h, block_bytes=n, offset=o, data=d)
-                      for h, n, o, d in split(exported))
-            stored = (await self.kvstore.Put(chunks, timeout=context.time_remaining())).blocks_stored
+            # raw-bytes gRPC: ~3x the typed Put (protobuf copies every bytes field)
+            stored, _ = await bulk.put(self.kvstore_channel, exported, timeout=context.time_remaining())
         finished = final.finish_reason == "stop" or params.max_tokens == 1
         # Decoding continues elsewhere: send only the text a running stream would have sent
         # (no half character, no possible stop-string start); decode picks up from there.
