@@ -51,8 +51,7 @@ async def serve(host: str, port: int, pinned: Callable) -> asyncio.AbstractServe
                         writer.write(_HEADER.pack(h, MISSING))
                         break
                     header, body = wire.reencode(frame, codec_id)
-                    writer.write(_HEADER.pack(h, wire.HEADER_BYTES + len(body)))
-                    writer.write(header.pack())
+                    writer.write(_HEADER.pack(h, wire.HEADER_BYTES + len(body)) + header.pack())
                     writer.write(body)
                     await writer.drain()
                 await writer.drain()
@@ -83,24 +82,25 @@ async def fetch(address: str, hashes: list[bytes], timeout: float | None = None,
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setblocking(False)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * 2**20)  # room while we verify a block
     scratch = bytearray()
     try:
         await _within(deadline, loop.sock_connect(sock, (host, int(port))))
         request = _REQUEST.pack(MAGIC, codec_id, len(hashes)) + b"".join(hashes)
         await _within(deadline, loop.sock_sendall(sock, request))
-        prefix = bytearray(_HEADER.size)
-        head = bytearray(wire.HEADER_BYTES)
+        # envelope + frame header in one read; a MISSING answer is shorter and ends the stream
+        head = bytearray(_HEADER.size + wire.HEADER_BYTES)
         for expected in hashes:
-            await _within(deadline, _recv_exactly(loop, sock, memoryview(prefix)))
-            block_hash, length = _HEADER.unpack(prefix)
+            got = await _within(deadline, _recv_at_least(loop, sock, memoryview(head), _HEADER.size))
+            block_hash, length = _HEADER.unpack_from(head)
             if block_hash != expected:
                 raise ConnectionError("data plane returned blocks out of order")
             if length == MISSING:
                 raise BlockMissing(f"block {expected.hex()} is not held by {address}")
             if not wire.HEADER_BYTES <= length <= MAX_BLOCK_BYTES:
                 raise wire.CorruptFrame(f"frame of {length} bytes is out of bounds")
-            await _within(deadline, _recv_exactly(loop, sock, memoryview(head)))
-            header = wire.parse_header(head)
+            await _within(deadline, _recv_exactly(loop, sock, memoryview(head)[got:]))
+            header = wire.parse_header(memoryview(head)[_HEADER.size:])
             if header.block_hash != expected or length != wire.HEADER_BYTES + header.encoded_len:
                 raise wire.CorruptFrame(f"frame for block {expected.hex()} does not match its envelope")
             on_wire(length)
@@ -127,6 +127,17 @@ async def fetch(address: str, hashes: list[bytes], timeout: float | None = None,
             yield block_hash, token, frame
     finally:
         sock.close()
+
+
+async def _recv_at_least(loop, sock: socket.socket, view: memoryview, minimum: int) -> int:
+    """Read into `view` until at least `minimum` bytes are in; returns how many."""
+    got = 0
+    while got < minimum:
+        n = await loop.sock_recv_into(sock, view[got:])
+        if n == 0:
+            raise ConnectionError("data plane connection closed mid-block")
+        got += n
+    return got
 
 
 async def _recv_exactly(loop, sock: socket.socket, view: memoryview) -> None:
