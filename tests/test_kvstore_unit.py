@@ -8,6 +8,7 @@ import pytest
 
 from ember.kv import codec, transfer, wire
 from ember.kv.chunks import Assembler, split
+from services.kvstore.pull import Peer, PeerFetcher
 from services.kvstore.store import BlockStore, LeaseError
 from tests.test_kv_wire import LAYOUT, TEMPLATE, kv_like
 
@@ -169,3 +170,17 @@ def test_store_reports_adds_and_evictions_to_its_listener():
     for i in range(3):
         store.put(*block(i))
     assert changes == [([block(0)[0]], []), ([block(1)[0]], []), ([], [block(0)[0]]), ([block(2)[0]], [])]
+
+
+def test_auto_codec_compresses_only_on_slow_links():
+    store = BlockStore(4 * wire.frame_bytes(LAYOUT.block_bytes))
+    fetcher = PeerFetcher(store, "auto")
+    slow, fast, unknown = Peer(channel=None, link_GBps=0.05), Peer(channel=None, link_GBps=2.5), Peer(channel=None)
+    assert fetcher.codec_for(slow) == codec.RAW, "no block stored yet: the KV dtype is unknown"
+    store.put(*frame(0))  # bf16 frames
+    assert fetcher.codec_for(slow) == codec.PLANES
+    assert fetcher.codec_for(fast) == codec.RAW and fetcher.codec_for(unknown) == codec.RAW
+    assert PeerFetcher(store, "planes").codec_for(fast) == codec.PLANES
+    assert PeerFetcher(store, "raw").codec_for(slow) == codec.RAW
+    with pytest.raises(ValueError, match="codec mode"):
+        PeerFetcher(store, "gzip")
