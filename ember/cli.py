@@ -70,7 +70,9 @@ def _generate_remote(args) -> int:
                     print(f"[{msg.finish_reason}: {u.prompt_tokens} prompt, {u.cached_tokens} cached, "
                           f"{u.completion_tokens} completion tokens; ttft {t.ttft_s * 1000:.0f} ms, "
                           f"transfer {t.transfer_s * 1000:.0f} ms, tpot {t.tpot_s * 1000:.1f} ms; "
-                          f"prefill@{p.prefill_site} decode@{p.decode_site}]", file=sys.stderr)
+                          f"prefill@{p.prefill_site} decode@{p.decode_site}; cached blocks per site: "
+                          f"{', '.join(f'{k} {v}' for k, v in sorted(p.cached_blocks.items())) or 'unknown'}]",
+                          file=sys.stderr)
         except grpc.RpcError as e:
             print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
             return 2
