@@ -1,0 +1,205 @@
+"""Where a request prefills and decodes (torch-free): the code the router and the simulator share.
+
+Decode goes to the edge site nearest the user (lowest RTT from the user's region) that has
+room, spilling to the next nearest; session affinity keeps a conversation where its KV is.
+Prefill goes to the site that minimises
+
+    queue(S) + prefill_time(uncached tokens at S) + link(S -> D)
+    link = RTT + new KV bytes / (bandwidth x 1/(1 - codec saving)), less layer-wise overlap
+
+with the decode site itself a candidate (no link): short or mostly cached turns prefill at
+the edge, long uncached ones go central. Baselines for the simulator: `central` (prefill and
+decode at the best central site), `edge` (both at the nearest edge site); `fixed` uses the
+config's prefill_site / decode_site.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from ember.placement.config import ClusterConfig, HardwareProfile
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt_tokens: int
+    output_tokens: int = 0                 # expected; 0: the policy's default
+    region: str | None = None
+    cached_blocks: dict[str, int] = field(default_factory=dict)  # leading prompt blocks each site holds
+    session_id: str = ""
+
+
+@dataclass
+class Load:
+    """A view of every site now: seconds of prefill work queued, decode sequences running."""
+    prefill_queue_s: dict[str, float] = field(default_factory=dict)
+    decode_running: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    site: str
+    queue_s: float
+    prefill_s: float
+    link_s: float
+    uncached_tokens: int
+    kv_bytes: int
+
+    @property
+    def total_s(self) -> float:
+        return self.queue_s + self.prefill_s + self.link_s
+
+
+@dataclass(frozen=True)
+class Decision:
+    prefill_site: str
+    decode_site: str
+    estimate: Estimate
+    candidates: tuple[Estimate, ...]
+    reason: str
+
+    def summary(self) -> str:
+        e = self.estimate
+        return (f"prefill@{self.prefill_site} decode@{self.decode_site} ({self.reason}): "
+                f"queue {e.queue_s * 1e3:.0f} ms + prefill {e.prefill_s * 1e3:.0f} ms ({e.uncached_tokens} tokens) "
+                f"+ link {e.link_s * 1e3:.0f} ms ({e.kv_bytes / 1e6:.1f} MB)")
+
+
+_MAX_SESSIONS = 1 << 17
+
+
+class NoCapacity(RuntimeError):
+    """No reachable site can take the request."""
+
+
+@dataclass(frozen=True)
+class _Route:
+    rtt_s: float
+    bytes_per_s: float  # effective, codec included
+
+
+class Placer:
+    def __init__(self, config: ClusterConfig):
+        self.config = config
+        self.policy = config.policy
+        self.block_size = config.engine.block_size
+        self.profiles: dict[str, HardwareProfile] = {s.name: config.profile(s.name) for s in config.sites}
+        self.capacity = {s.name: config.decode_capacity(s.name) for s in config.sites}
+        self.tier = {s.name: s.tier for s in config.sites}
+        self.pool = {s.name: self.profiles[s.name].pool for s in config.sites}
+        self.prefill_sites = [s.name for s in config.sites if s.has("prefill")]
+        decode_sites = [s.name for s in config.sites if s.has("decode")]
+        # per region: decode sites by RTT from the user
+        self.nearest = {r.name: sorted((x.rtt_ms / 1e3, x.site) for x in r.reach if x.site in decode_sites)
+                        for r in config.regions}
+        ratio = 1 / (1 - self.policy.codec_saving)
+        self.routes: dict[tuple[str, str], _Route] = {}
+        for link in config.links:
+            route = _Route(link.rtt_ms / 1e3, link.bandwidth_gbps * 1e9 / 8 * ratio)
+            self.routes[(link.a, link.b)] = self.routes[(link.b, link.a)] = route
+        # per decode site: prefill candidates that can ship KV to it (itself first, if it prefills)
+        self.feeders = {d: ([d] if d in self.prefill_sites else []) +
+                        [p for p in self.prefill_sites if (p, d) in self.routes] for d in decode_sites}
+        # the same, flattened for the hot loop: (site, prefill tok/s, context scale, rtt s, s per KV byte)
+        overlap = 1 - self.policy.layer_overlap
+        self._feeder_terms = {
+            d: [(p, self.profiles[p].prefill_tokens_per_s, self.profiles[p].prefill_context_tokens,
+                 0.0 if p == d else self.routes[(p, d)].rtt_s,
+                 0.0 if p == d else overlap / self.routes[(p, d)].bytes_per_s) for p in feeders]
+            for d, feeders in self.feeders.items()}
+        self.affinity: OrderedDict[str, str] = OrderedDict()  # session -> decode site, most recent last
+
+    # -- decode ----------------------------------------------------------------------------
+    def _decode_site(self, request: Request, load: Load) -> tuple[str, str]:
+        running = load.decode_running
+        if request.region is None or request.region not in self.nearest:
+            if self.config.decode_site is None:
+                raise NoCapacity(f"unknown user region {request.region!r}; configured regions: "
+                                 f"{', '.join(self.nearest)}")
+            return self.config.decode_site, "no region: the configured decode site"
+        candidates = self.nearest[request.region]
+        if self.policy.name == "central":
+            candidates = [c for c in candidates if self.tier[c[1]] == "central"] or candidates
+        elif self.policy.name in ("edge", "ember"):
+            candidates = [c for c in candidates if self.tier[c[1]] == "edge"] or candidates
+        if self.policy.session_affinity and request.session_id in self.affinity:
+            home = self.affinity[request.session_id]
+            if any(s == home for _, s in candidates) and running.get(home, 0) < self.capacity[home]:
+                return home, "session affinity"
+        open_sites = [(rtt, s) for rtt, s in candidates if running.get(s, 0) < self.capacity[s]]
+        if not open_sites:
+            raise NoCapacity(f"every decode site reachable from region {request.region!r} is full")
+        nearest_rtt, nearest = open_sites[0]
+        output = request.output_tokens or self.policy.default_output_tokens
+        if output / max(1, request.prompt_tokens) > self.policy.decode_heavy_ratio:
+            slack = nearest_rtt + self.policy.pool_slack_ms / 1e3
+            shaped = [s for rtt, s in open_sites if rtt <= slack and self.pool[s] == "decode-heavy"]
+            if shaped:
+                return shaped[0], "nearest decode-heavy pool"
+        return nearest, "nearest with room" if nearest == candidates[0][1] else "spilled to next nearest"
+
+    # -- prefill ---------------------------------------------------------------------------
+    def estimate(self, site: str, decode_site: str, request: Request, load: Load) -> Estimate | None:
+        if site == decode_site:
+            route = _Route(0.0, float("inf"))
+        else:
+            route = self.routes.get((site, decode_site))
+            if route is None:
+                return None  # no link: KV cannot get there
+        bs = self.block_size
+        cached = min(request.cached_blocks.get(site, 0) * bs, request.prompt_tokens - 1)
+        uncached = request.prompt_tokens - cached
+        have_at_decode = request.cached_blocks.get(decode_site, 0)
+        kv_bytes = max(0, request.prompt_tokens // bs - have_at_decode) * bs * self.policy.kv_bytes_per_token
+        link_s = 0.0 if site == decode_site else \
+            route.rtt_s + kv_bytes / route.bytes_per_s * (1 - self.policy.layer_overlap)
+        return Estimate(site, load.prefill_queue_s.get(site, 0.0), self.profiles[site].prefill_s(uncached, cached),
+                        link_s, uncached, 0 if site == decode_site else kv_bytes)
+
+    def _cheapest(self, decode_site: str, feeders: list[str], request: Request, load: Load) -> str | None:
+        """The feeder with the lowest estimate(...).total_s: the same arithmetic, flattened
+        (the simulator places a million requests through this loop)."""
+        bs, prompt, cached_blocks = self.block_size, request.prompt_tokens, request.cached_blocks
+        kv_bytes = max(0, prompt // bs - cached_blocks.get(decode_site, 0)) * bs * self.policy.kv_bytes_per_token
+        queue = load.prefill_queue_s.get
+        best_site, best = None, float("inf")
+        allowed = set(feeders) if len(feeders) != len(self.feeders[decode_site]) else None
+        for site, tps, context, rtt_s, s_per_byte in self._feeder_terms[decode_site]:
+            if allowed is not None and site not in allowed:
+                continue
+            link = rtt_s + kv_bytes * s_per_byte if rtt_s or s_per_byte else 0.0
+            if link >= best:
+                continue
+            cached = min(cached_blocks.get(site, 0) * bs, prompt - 1)
+            new = prompt - cached
+            total = queue(site, 0.0) + new / tps * (1 + (cached + new / 2) / context) + link
+            if total < best:
+                best_site, best = site, total
+        return best_site
+
+    def place(self, request: Request, load: Load, keep_candidates: bool = True) -> Decision:
+        """The decision; `keep_candidates=False` skips building every candidate's Estimate (the
+        simulator's hot path), keeping only the winner's."""
+        if self.policy.name == "fixed" or (not self.nearest and request.region is None):
+            d, p = self.config.decode_site, self.config.prefill_site
+            est = self.estimate(p, d, request, load) or Estimate(p, 0.0, 0.0, 0.0, request.prompt_tokens, 0)
+            return Decision(p, d, est, (est,), "fixed placement")
+        decode_site, why = self._decode_site(request, load)
+        feeders = self.feeders[decode_site]
+        if self.policy.name in ("central", "edge") and decode_site in self.prefill_sites:
+            feeders = [decode_site]
+        if keep_candidates:
+            estimates = tuple(e for s in feeders if (e := self.estimate(s, decode_site, request, load)) is not None)
+        else:
+            site = self._cheapest(decode_site, feeders, request, load)
+            estimates = () if site is None else (self.estimate(site, decode_site, request, load),)
+        if not estimates:
+            raise NoCapacity(f"no prefill site has a link to decode site {decode_site!r}")
+        best = min(estimates, key=lambda e: e.total_s)
+        if request.session_id:
+            self.affinity[request.session_id] = decode_site
+            self.affinity.move_to_end(request.session_id)
+            if len(self.affinity) > _MAX_SESSIONS:
+                self.affinity.popitem(last=False)
+        where = "at the decode site" if best.site == decode_site else "remote"
+        return Decision(best.site, decode_site, best, estimates, f"{self.policy.name}: decode {why}; prefill {where}")
