@@ -150,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     _add_engine_args(b)
     b.set_defaults(func=cmd_bench)
+
+    from ember.placement.cli import add_commands
+    add_commands(sub)
     return parser
 
 

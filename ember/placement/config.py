@@ -185,8 +185,10 @@ class ClusterConfig(Strict):
             value = getattr(self, field)
             if value is not None and (value not in self._by_name or not self._by_name[value].has(role)):
                 raise ValueError(f"{field}: {value!r} must name a site with the {role} role; {known}")
-        if not self.regions and (self.prefill_site is None or self.decode_site is None):
-            raise ValueError("prefill_site and decode_site are required when no `regions` are configured")
+        if not self.regions:
+            if self.prefill_site is None or self.decode_site is None:
+                raise ValueError("prefill_site and decode_site are required when no `regions` are configured")
+            self.policy = self.policy.model_copy(update={"name": "fixed"})  # nothing to choose between
         if self.router_site is None:
             self.router_site = self.decode_site or names[0]
         elif self.router_site not in self._by_name:

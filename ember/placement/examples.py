@@ -1,6 +1,6 @@
 """Example edge-placement topologies (torch-free): the shipped example and synthetic ones.
 
-Sites sit on a ring of longitudes; RTT grows with distance (about 1 ms per 100 km of fibre,
+Sites sit on a ring (think longitudes, neutral names); RTT grows with distance (about 1 ms per 100 km of fibre,
 round trip, plus a fixed hop cost). Central GPU regions run prefill-heavy hardware; edge
 sites run smaller mixed hardware. `ember config example` prints one as YAML.
 """
@@ -16,9 +16,6 @@ PROFILES = {
     "gpu-edge": {"prefill_tokens_per_s": 3000, "prefill_context_tokens": 32000, "decode_tokens_per_s": 40,
                  "decode_batch_tokens_per_s": 1400, "max_batch": 64, "pool": "mixed"},
 }
-EDGE_NAMES = ["sea", "sfo", "lax", "den", "dfw", "chi", "atl", "iad", "nyc", "yyz", "mex", "gru",
-              "lhr", "ams", "fra", "cdg", "mad", "waw", "jnb", "dxb", "bom", "sin", "hkg", "nrt", "syd"]
-CENTRAL_NAMES = ["us-central", "eu-central", "ap-central", "sa-central", "af-central"]
 
 
 def _rtt_ms(angle_a: float, angle_b: float, base_ms: float = 4.0) -> float:
@@ -29,9 +26,8 @@ def _rtt_ms(angle_a: float, angle_b: float, base_ms: float = 4.0) -> float:
 
 def topology(num_edges: int = 12, num_central: int = 3, edge_bandwidth_gbps: float = 10.0) -> dict:
     """A config dict: `num_central` central regions and `num_edges` edge sites, one user region per edge."""
-    edges = [(EDGE_NAMES[i] if i < len(EDGE_NAMES) else f"edge-{i}", 360 * i / num_edges) for i in range(num_edges)]
-    centrals = [(CENTRAL_NAMES[i] if i < len(CENTRAL_NAMES) else f"central-{i}", 360 * (i + 0.5) / num_central)
-                for i in range(num_central)]
+    edges = [(f"edge-{i:02d}", 360 * i / num_edges) for i in range(num_edges)]
+    centrals = [(f"central-{i}", 360 * (i + 0.5) / num_central) for i in range(num_central)]
     sites, links, regions = [], [], []
     for n, (name, _) in enumerate(centrals):
         sites.append({"name": name, "tier": "central", "hardware": "gpu-central",
