@@ -110,3 +110,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--slo-tpot", type=float, default=0.05, help="TPOT target, seconds")
     s.add_argument("--output", help="JSON report")
     s.set_defaults(func=cmd_simulate)
+
+
+def main_for_tests(argv: list[str]) -> int:
+    """Run one of these commands as `ember` would (tests call this without a subprocess)."""
+    parser = argparse.ArgumentParser(prog="ember")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
