@@ -18,15 +18,48 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ember.cluster.config import ClusterConfig, load_config
+from ember.cluster.ports import free_port
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def service_commands(config: ClusterConfig, config_path: Path) -> dict[str, tuple[list[str], str]]:
-    """name -> (argv, address) for every process of the cluster."""
+def emulated_links(config: ClusterConfig) -> tuple[list[dict], dict[str, list[str]]]:
+    """Relays for every inter-site hop, and the `--route` arguments of each process that uses
+    them: {"router": [...], "kvstore-<site>": [...]}. Empty unless `emulate_links` is set."""
+    relays, routes = [], {"router": []}
+    if not config.emulate_links:
+        return relays, routes
+
+    def relay(src: str, dst: str, target: str, user: str) -> None:
+        link = config.link(src, dst)
+        if link is None or target is None:
+            return
+        listen = f"127.0.0.1:{free_port()}"
+        relays.append({"listen": listen, "target": target, "rtt_ms": link.rtt_ms, "gbps": link.bandwidth_gbps})
+        routes.setdefault(user, []).append(f"{target}={listen}")
+    for site in config.sites:
+        relay(config.router_site, site.name, site.prefill, "router")
+        relay(config.router_site, site.name, site.decode, "router")
+        for peer in config.sites:  # kvstore at `site` pulling from `peer`
+            if peer.name != site.name and site.has("kvstore"):
+                relay(site.name, peer.name, peer.kvstore, f"kvstore-{site.name}")
+                relay(site.name, peer.name, peer.kvstore_data, f"kvstore-{site.name}")
+    return relays, routes
+
+
+def service_commands(config: ClusterConfig, config_path: Path, run_dir: Path | None = None
+                     ) -> dict[str, tuple[list[str], str]]:
+    """name -> (argv, address) for every process of the cluster (address None: not gRPC)."""
     py, cfg = sys.executable, str(config_path)
     commands = {}
+    relays, routes = emulated_links(config)
+    if relays:
+        spec = (run_dir or config_path.parent) / "links.json"
+        spec.write_text(json.dumps(relays, indent=1))
+        commands["links"] = ([py, "-m", "ember.cluster.wan", "--spec", str(spec)], None)
     for site in config.sites:
+        if not site.has("kvstore"):
+            continue
         argv = [py, "-m", "services.kvstore", "--listen", site.kvstore, "--site", site.name,
                 "--capacity-mb", str(config.kvstore_capacity_mb), "--codec", config.kvstore_codec,
                 "--directory", config.directory_url(), "--directory-ttl-s", str(config.directory_ttl_s)]
@@ -34,14 +67,16 @@ def service_commands(config: ClusterConfig, config_path: Path) -> dict[str, tupl
             argv += ["--data-listen", site.kvstore_data]
         if not config.kvstore_shared_memory:
             argv += ["--shm-socket", "off"]
+        argv += [a for r in routes.get(f"kvstore-{site.name}", []) for a in ("--route", r)]
         commands[f"kvstore-{site.name}"] = (argv, site.kvstore)
-        if site.prefill and site.name == config.prefill_site:
+        if site.has("prefill") and (config.regions or site.name == config.prefill_site):
             commands[f"prefill-{site.name}"] = ([py, "-m", "services.prefill", "--config", cfg, "--site", site.name],
                                                 site.prefill)
-        if site.decode and site.name == config.decode_site:
+        if site.has("decode") and (config.regions or site.name == config.decode_site):
             commands[f"decode-{site.name}"] = ([py, "-m", "services.decode", "--config", cfg, "--site", site.name],
                                                site.decode)
-    commands["router"] = ([py, "-m", "services.router", "--config", cfg], config.router)
+    router = [py, "-m", "services.router", "--config", cfg] + [a for r in routes["router"] for a in ("--route", r)]
+    commands["router"] = (router, config.router)
     return commands
 
 
@@ -78,7 +113,7 @@ def up(config_path: str | Path, run_dir: str | Path, timeout_s: float = 300) -> 
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     procs: dict[str, subprocess.Popen] = {}
-    commands = service_commands(config, config_path)
+    commands = service_commands(config, config_path, run_dir)
     try:
         for name, (argv, _) in commands.items():
             with open(run_dir / f"{name}.log", "ab") as log:
@@ -87,7 +122,8 @@ def up(config_path: str | Path, run_dir: str | Path, timeout_s: float = 300) -> 
             (run_dir / "pids.json").write_text(json.dumps({n: p.pid for n, p in procs.items()}))
         deadline = time.monotonic() + timeout_s
         for name, (_, address) in commands.items():
-            wait_serving(address, deadline, procs[name], run_dir / f"{name}.log")
+            if address is not None:
+                wait_serving(address, deadline, procs[name], run_dir / f"{name}.log")
     except BaseException:
         down(run_dir)
         raise

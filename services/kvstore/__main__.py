@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 
+from ember.cluster.wan import parse_routes
 from ember.kv import bulk, transfer
 from ember.kv.shm import ArenaServer
 from ember.rpc.directory import open_directory
@@ -22,7 +23,8 @@ async def main(args) -> None:
     store_id = os.urandom(16)
     shm_socket = "" if args.shm_socket == "off" else args.shm_socket or f"@ember-kvstore-{store_id.hex()}"
     arena = ArenaServer(shm_socket, store.fd, store.capacity_bytes, store_id) if shm_socket else None
-    service = KVStoreService(store, args.data_listen or "", args.codec, shm_socket, store_id)
+    service = KVStoreService(store, args.data_listen or "", args.codec, shm_socket, store_id,
+                             routes=parse_routes(args.route))
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, server.server)
     server.server.add_generic_rpc_handlers((bulk.handler(store.pinned, service.put_frame),))
     data_server = None
@@ -55,6 +57,8 @@ if __name__ == "__main__":
                    help="codec asked of peers on pulls; auto compresses only on links slow enough for it to pay")
     p.add_argument("--site", default="", help="this kvstore's site name (for the block directory)")
     p.add_argument("--directory", default="", help="block directory: redis://HOST:PORT/DB or grpc://HOST:PORT")
+    p.add_argument("--route", action="append", default=[], metavar="ADDRESS=RELAY",
+                   help="reach peer ADDRESS through RELAY (an emulated link); repeatable")
     p.add_argument("--directory-ttl-s", type=float, default=60.0, help="directory entries expire unless refreshed")
     args = p.parse_args()
     if args.directory and not args.site:

@@ -25,15 +25,16 @@ class Peer:
 class PeerFetcher:
     """`mode`: raw, planes, or auto (planes only on links slow enough for it to pay)."""
 
-    def __init__(self, store: BlockStore, mode: str = "auto"):
+    def __init__(self, store: BlockStore, mode: str = "auto", routes: dict[str, str] | None = None):
         if mode not in ("raw", "planes", "auto"):
             raise ValueError(f"codec mode must be raw, planes or auto, got {mode!r}")
         self.store, self.mode = store, mode
+        self.routes = routes or {}  # peer address -> emulated-link relay in front of it
         self.peers: dict[str, Peer] = {}
 
     def peer(self, address: str) -> Peer:
         if address not in self.peers:
-            self.peers[address] = Peer(channel(address))
+            self.peers[address] = Peer(channel(self.routes.get(address, address)))
         return self.peers[address]
 
     def codec_for(self, peer: Peer) -> int:
@@ -54,7 +55,7 @@ class PeerFetcher:
         peer = self.peer(source)
         if peer.data_address is None:
             stats = await kvstore_pb2_grpc.KVStoreStub(peer.channel).Stats(kvstore_pb2.StatsRequest(), timeout=timeout)
-            peer.data_address = stats.data_address
+            peer.data_address = self.routes.get(stats.data_address, stats.data_address)
         if not peer.data_address:
             async for block_hash, frame in bulk.fetch(peer.channel, hashes, timeout):
                 on_wire(len(frame))

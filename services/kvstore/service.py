@@ -16,10 +16,10 @@ from services.kvstore.store import BlockStore, LeaseError
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: BlockStore, data_address: str = "", codec_mode: str = "auto",
-                 shm_socket: str = "", store_id: bytes = b""):
+                 shm_socket: str = "", store_id: bytes = b"", routes: dict[str, str] | None = None):
         self.store = store
         self.data_address, self.shm_socket, self.store_id = data_address, shm_socket, store_id
-        self.fetcher = PeerFetcher(store, codec_mode)
+        self.fetcher = PeerFetcher(store, codec_mode, routes)
         self.wire_bytes_pulled = 0
         self._inflight: dict[bytes, asyncio.Future] = {}  # one fetch per block at a time
 

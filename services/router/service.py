@@ -12,9 +12,11 @@ import grpc
 from ember.kv.block_hash import chain_hashes
 from ember.kv.directory import BlockDirectory
 from ember.model.tokenizer import Tokenizer
+from ember.placement.policy import Load, NoCapacity, Placer, Request
 from ember.rpc.convert import sampling_from_pb, sampling_to_pb
 from ember.rpc.errors import RpcError
-from ember.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc, router_pb2, router_pb2_grpc
+from ember.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc
+from services.router.stubs import SiteStubs
 
 log = logging.getLogger("ember.router")
 DIRECTORY_TIMEOUT_S = 0.5
@@ -27,17 +29,15 @@ def invalid(message: str) -> RpcError:
 
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, tokenizer: Tokenizer, model_id: str, max_model_len: int, vocab_size: int,
-                 prefill: prefill_pb2_grpc.PrefillStub, decode: decode_pb2_grpc.DecodeStub,
-                 prefill_site: str, decode_site: str, block_size: int, root_hash: bytes,
-                 directory: BlockDirectory, sites: list[str]):
+                 placer: Placer, stubs: SiteStubs, block_size: int, root_hash: bytes, directory: BlockDirectory):
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.prefill, self.decode = prefill, decode
-        self.placement = common_pb2.Placement(prefill_site=prefill_site, decode_site=decode_site)
+        self.placer, self.stubs = placer, stubs
+        self.load = Load()  # this router's view: prefill work in flight, decodes running, per site
         self.block_size, self.root_hash = block_size, root_hash
-        self.directory, self.sites = directory, sites
+        self.directory, self.sites = directory, [s.name for s in placer.config.sites]
         self._directory_retry_at = 0.0  # after a failure, skip the directory for a while
 
     async def _cached_blocks(self, hashes: list[bytes]) -> dict[str, int]:
@@ -91,16 +91,30 @@ class RouterService(router_pb2_grpc.RouterServicer):
         request_id = request.request_id or uuid.uuid4().hex
         pb_params = sampling_to_pb(params)
 
-        # content addresses of the prompt's full blocks, and where they are cached already
+        # content addresses of the prompt's full blocks, where they are cached already, and placement
         hashes = chain_hashes(prompt, self.block_size, self.root_hash)
         looked_up = time.perf_counter()
-        placement = common_pb2.Placement(prefill_site=self.placement.prefill_site,
-                                         decode_site=self.placement.decode_site,
-                                         cached_blocks=await self._cached_blocks(hashes),
-                                         directory_s=time.perf_counter() - looked_up)
-        pre = await self.prefill.Prefill(prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt,
-                                                                    sampling=pb_params, block_hashes=hashes),
-                                         timeout=context.time_remaining())
+        cached = await self._cached_blocks(hashes)
+        directory_s = time.perf_counter() - looked_up
+        try:
+            decision = self.placer.place(Request(len(prompt), params.max_tokens, request.user_region or None, cached,
+                                                 request.session_id), self.load)
+        except NoCapacity as e:
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
+        log.info("%s: %s", request_id, decision.summary())
+        est = decision.estimate
+        placement = common_pb2.Placement(
+            prefill_site=decision.prefill_site, decode_site=decision.decode_site, cached_blocks=cached,
+            directory_s=directory_s, reason=decision.reason, estimated_queue_s=est.queue_s,
+            estimated_prefill_s=est.prefill_s, estimated_link_s=est.link_s, uncached_tokens=est.uncached_tokens)
+        queue = self.load.prefill_queue_s
+        queue[decision.prefill_site] = queue.get(decision.prefill_site, 0.0) + est.prefill_s
+        try:
+            pre = await self.stubs.prefill(decision.prefill_site).Prefill(
+                prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=pb_params,
+                                           block_hashes=hashes), timeout=context.time_remaining())
+        finally:
+            queue[decision.prefill_site] = max(0.0, queue[decision.prefill_site] - est.prefill_s)
         first_at = time.perf_counter()
         usage = common_pb2.Usage(prompt_tokens=len(prompt), cached_tokens=pre.cached_tokens, completion_tokens=1)
         timings = common_pb2.Timings(ttft_s=first_at - received, prefill_s=first_at - received)
@@ -113,7 +127,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
             return
         yield first  # the client sees the first token before decode starts
 
-        stream = self.decode.Decode(decode_pb2.DecodeRequest(
+        running = self.load.decode_running
+        running[decision.decode_site] = running.get(decision.decode_site, 0) + 1
+        stream = self.stubs.decode(decision.decode_site).Decode(decode_pb2.DecodeRequest(
             request_id=request_id, prompt_token_ids=prompt, first_token=pre.first_token,
             block_hashes=pre.block_hashes, source_kvstore=pre.kvstore_address, sampling=pb_params),
             timeout=context.time_remaining())
@@ -136,3 +152,4 @@ class RouterService(router_pb2_grpc.RouterServicer):
             # explicitly too, so decode frees the sequence now rather than whenever the
             # call object is collected.
             stream.cancel()
+            running[decision.decode_site] -= 1
