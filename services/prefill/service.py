@@ -12,6 +12,7 @@ from ember.kv import bulk
 from ember.kv.block_hash import chain_hashes
 from ember.rpc.convert import sampling_from_pb
 from ember.rpc.errors import RpcError, require_ready
+from ember.rpc.site_kv import SiteKV
 from ember.serving.async_engine import AsyncEngine
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -23,6 +24,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         self.kvstore_address = kvstore_address
         self.kvstore_channel = kvstore_channel
         self.kvstore = kvstore_pb2_grpc.KVStoreStub(kvstore_channel)
+        self.kv = SiteKV(kvstore_channel)
 
     async def Prefill(self, request, context):
         require_ready(self.engine)
@@ -37,17 +39,26 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                                             timeout=context.time_remaining())
         missing = {h for h, p in zip(hashes, present.present) if not p}
         exported: list[tuple[bytes, bytes]] = []
+        # Blocks this site's kvstore holds but the engine does not (a follow-up turn placed
+        # here after decode pulled the conversation's KV to this site): import, don't recompute.
+        in_pool = await self.engine.call(lambda e: [h in e.block_manager.cached for h in hashes])
+        reuse = []
+        for h, stored_here, pooled in zip(hashes, present.present, in_pool):
+            if not pooled:
+                if not stored_here:
+                    break
+                reuse.append(h)
+        lease_id, payloads = 0, {}
+        if reuse:
+            lease = await self.kv.acquire(reuse, context.time_remaining())
+            lease_id = lease.lease_id
+        try:
+            if reuse:
+                payloads = await self.kv.payloads(reuse, lease, engine.frame_template, context.time_remaining())
+            final = await self._prefill(prompt, params, hashes, payloads, missing, exported, request.request_id)
+        finally:
+            await self.kv.release(lease_id, check=False)
 
-        def export(engine: LLMEngine, out: RequestOutput) -> None:
-            # On the engine thread right after the last step: no later step can have
-            # evicted these blocks yet. Only blocks the kvstore lacks are copied out.
-            wanted = [h for h in out.block_hashes if h in missing]
-            exported.extend(zip(wanted, engine.export_frames(wanted)))
-
-        final = None
-        async for out in self.engine.generate(prompt, replace(params, max_tokens=1), request.request_id,
-                                              on_finish=export):
-            final = out
         stored = 0
         if exported:
             # raw-bytes gRPC: ~3x the typed Put (protobuf copies every bytes field)
@@ -62,3 +73,20 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             site=self.site, cached_tokens=final.cached_tokens, computed_tokens=len(prompt) - final.cached_tokens,
             first_text=first_text, finished=finished,
             finish_reason=final.finish_reason if finished else "", blocks_stored=stored)
+
+    async def _prefill(self, prompt, params, hashes, payloads, missing, exported, request_id) -> RequestOutput:
+        def import_kv(engine: LLMEngine) -> None:
+            if payloads:
+                engine.import_blocks(prompt, hashes, [payloads.get(h) for h in hashes])
+
+        def export(engine: LLMEngine, out: RequestOutput) -> None:
+            # On the engine thread right after the last step: no later step can have
+            # evicted these blocks yet. Only blocks the kvstore lacks are copied out.
+            wanted = [h for h in out.block_hashes if h in missing]
+            exported.extend(zip(wanted, engine.export_frames(wanted)))
+
+        final = None
+        async for out in self.engine.generate(prompt, replace(params, max_tokens=1), request_id,
+                                              before_add=import_kv, on_finish=export):
+            final = out
+        return final
