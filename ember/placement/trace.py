@@ -29,7 +29,8 @@ class TraceRequest:
 
 def agentic(regions: list[str], weights: list[float] | None = None, sessions_per_s: float = 1.0,
             duration_s: float = 600.0, mean_turns: float = 6.0, system_tokens: tuple[int, int] = (2000, 6000),
-            max_context: int = 32000, seed: int = 0) -> list[TraceRequest]:
+            max_context: int = 32000, max_output: int = 1500, tool_scale: float = 1.0,
+            seed: int = 0) -> list[TraceRequest]:
     rng = random.Random(seed)
     out: list[TraceRequest] = []
     t, n = 0.0, 0
@@ -43,11 +44,11 @@ def agentic(regions: list[str], weights: list[float] | None = None, sessions_per
         arrival, turn = t, 1
         new = context
         while True:
-            output = int(min(1500, rng.lognormvariate(4.8, 0.7)))           # median ~120 tokens
+            output = max(2, int(min(max_output, rng.lognormvariate(4.8, 0.7))))  # median ~120 tokens
             out.append(TraceRequest(round(arrival, 4), session, turn, region, context, new, output))
             if rng.random() < 1 / mean_turns or turn >= 40:
                 break
-            tool = int(min(12000, rng.lognormvariate(5.8, 1.1)))             # median ~330, heavy tail
+            tool = int(min(12000, rng.lognormvariate(5.8, 1.1)) * tool_scale)  # median ~330, heavy tail
             new = output + tool + rng.randint(10, 80)
             if context + new + 2000 > max_context:
                 break

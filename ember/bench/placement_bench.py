@@ -1,0 +1,159 @@
+"""`ember bench placement`: calibrate the simulator against the real cluster.
+
+1. Measure this machine's hardware profile: prefill time of fresh prompts at two lengths
+   (fits tokens/s and the context term) and decode step time at batch 1.
+2. Start a 3-site local cluster (central prefill; west prefill + decode; east decode)
+   behind emulated WAN links, every site with the measured profile.
+3. Replay a small agentic trace (arrival times honoured, a session's turns in order, real
+   token contexts that grow with the real answers) through the router.
+4. Simulate the same trace (as actually sent) through the same placement code.
+Reports TTFT p50/p90 of both and their ratio, plus where requests were placed.
+"""
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+import yaml
+
+from ember.bench.measure import progress, write_result
+from ember.cluster.launcher import down, up
+from ember.cluster.ports import free_port
+from ember.placement import trace as traces
+from ember.placement.config import ClusterConfig
+from ember.placement.simulate import Simulator
+
+
+def measure_profile(model: str, threads: int) -> dict:
+    from ember.engine.config import EngineConfig
+    from ember.engine.engine import LLMEngine
+    from ember.engine.sampling_params import SamplingParams
+    engine = LLMEngine(EngineConfig(model=model, num_threads=threads, kv_cache_bytes=128 * 2**20))
+    rng = random.Random(7)
+
+    def prefill_s(n: int) -> float:
+        ids = [rng.randrange(200, 40000) for _ in range(n)]
+        start = time.perf_counter()
+        engine.generate([ids], SamplingParams(max_tokens=1))
+        return time.perf_counter() - start
+    prefill_s(64)
+    short, long = (min(prefill_s(n) for _ in range(2)) for n in (256, 1024))
+    # t(n) = n / tps * (1 + n / (2 ctx)): two lengths give tps and ctx
+    a = short / 256                      # = (1 + 128/ctx) / tps
+    b = long / 1024                      # = (1 + 512/ctx) / tps
+    tps = 384 / (512 * a - 128 * b) if 512 * a > 128 * b else 256 / short
+    ctx = 384 / max(1e-6, b * tps - a * tps) if b > a else 1e9
+    ids = [rng.randrange(200, 40000) for _ in range(32)]
+    start = time.perf_counter()
+    engine.generate([ids], SamplingParams(max_tokens=17, ignore_eos=True))
+    step = (time.perf_counter() - start - short * 32 / 256) / 16
+    return {"prefill_tokens_per_s": round(tps, 1), "prefill_context_tokens": round(min(ctx, 1e7), 1),
+            "decode_tokens_per_s": round(1 / step, 2), "decode_batch_tokens_per_s": round(8 / step, 2),
+            "max_batch": 16}
+
+
+def cluster_config(model: str, profile: dict, threads: int) -> dict:
+    def addr():
+        return f"127.0.0.1:{free_port()}"
+    sites = [{"name": "central", "tier": "central", "prefill": addr(), "kvstore": addr(), "kvstore_data": addr()},
+             {"name": "west", "prefill": addr(), "decode": addr(), "kvstore": addr(), "kvstore_data": addr()},
+             {"name": "east", "decode": addr(), "kvstore": addr(), "kvstore_data": addr()}]
+    for s in sites:
+        s["hardware"] = "measured"
+    return {
+        "model": model, "router": addr(), "router_site": "west", "emulate_links": True, "sites": sites,
+        "links": [{"a": "central", "b": "west", "rtt_ms": 60, "bandwidth_gbps": 1.0},
+                  {"a": "central", "b": "east", "rtt_ms": 60, "bandwidth_gbps": 1.0},
+                  {"a": "west", "b": "east", "rtt_ms": 30, "bandwidth_gbps": 1.0}],
+        "regions": [{"name": "users-west", "reach": [{"site": "west", "rtt_ms": 0}, {"site": "east", "rtt_ms": 30}]},
+                    {"name": "users-east", "reach": [{"site": "east", "rtt_ms": 0}, {"site": "west", "rtt_ms": 30}]}],
+        "hardware": {"measured": profile},
+        "engine": {"kv_cache_mb": 160, "threads": threads},
+        "kvstore_capacity_mb": 256,
+    }
+
+
+def replay(router: str, trace: list[traces.TraceRequest], vocab: int = 40000) -> list[tuple]:
+    """Send the trace through the router; returns (request as sent, final message) pairs."""
+    from ember.client import RouterClient
+    rng = random.Random(11)
+    contexts: dict[str, list[int]] = {}
+    done: dict[str, threading.Event] = {}
+    results: list[tuple] = []
+    lock = threading.Lock()
+    start = time.monotonic()
+
+    def one(r: traces.TraceRequest, previous: threading.Event | None):
+        if previous is not None:
+            previous.wait()
+        delay = r.t - (time.monotonic() - start)
+        if delay > 0:
+            time.sleep(delay)
+        context = contexts.setdefault(r.session, [])
+        context.extend(rng.randrange(200, vocab) for _ in range(r.prompt_tokens - len(context)))
+        sent = replace(r, t=time.monotonic() - start, prompt_tokens=len(context))
+        with RouterClient(router) as client:
+            out = client.complete(token_ids=list(context), max_tokens=r.output_tokens, ignore_eos=True,
+                                  user_region=r.region, session_id=r.session, timeout=300)
+        context.extend(out.token_ids)
+        with lock:
+            results.append((sent, out.final))
+        done[(r.session, r.turn)].set()
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        futures = []
+        for r in trace:
+            done[(r.session, r.turn)] = threading.Event()
+            futures.append(pool.submit(one, r, done.get((r.session, r.turn - 1))))
+        for f in futures:
+            f.result()
+    return sorted(results, key=lambda x: x[0].t)
+
+
+def main(args) -> int:
+    threads = args.threads or 2
+    progress("measuring this machine's hardware profile")
+    profile = measure_profile(args.model, threads)
+    progress(f"profile: {profile}")
+    data = cluster_config(str(Path(args.model).resolve()), profile, threads)
+    config = ClusterConfig.model_validate(data)
+    regions = [r.name for r in config.regions]
+    sessions_per_s, duration = (0.03, 60) if args.quick else (0.05, 160)
+    trace = traces.agentic(regions, None, sessions_per_s=sessions_per_s, duration_s=duration, mean_turns=3,
+                           system_tokens=(300, 900), max_context=2200, max_output=12, tool_scale=0.3, seed=5)
+    progress(f"trace: {len(trace)} requests in {len({r.session for r in trace})} sessions")
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp)
+        (run_dir / "cluster.yaml").write_text(yaml.safe_dump(data))
+        progress("starting the 3-site cluster behind emulated links")
+        up(run_dir / "cluster.yaml", run_dir, timeout_s=400)
+        try:
+            progress("replaying the trace in real time")
+            results = replay(data["router"], trace)
+        finally:
+            down(run_dir)
+    sent = [r for r, _ in results]
+    real_ttft = [m.timings.ttft_s for _, m in results]
+    sim = Simulator(config, "ember").run(sent)
+    placed = [f"{m.placement.prefill_site}->{m.placement.decode_site}" for _, m in results]
+    result = {
+        "profile": profile, "requests": len(results),
+        "real_ttft": {"p50": statistics.median(real_ttft), "p90": sorted(real_ttft)[int(0.9 * (len(real_ttft) - 1))]},
+        "sim_ttft": {"p50": sim.ttft["p50"], "p90": sim.ttft["p90"]},
+        "placements": {p: placed.count(p) for p in sorted(set(placed))},
+        "requests_detail": [{"t": r.t, "session": r.session, "turn": r.turn, "prompt_tokens": r.prompt_tokens,
+                             "ttft_s": m.timings.ttft_s, "placement": f"{m.placement.prefill_site}->"
+                             f"{m.placement.decode_site}", "cached_tokens": m.usage.cached_tokens}
+                            for r, m in results],
+    }
+    ratio = result["sim_ttft"]["p50"] / result["real_ttft"]["p50"]
+    result["targets"] = {"sim_over_real_ttft_p50": {"value": round(ratio, 3), "target": "0.8-1.2",
+                                                    "met": 0.8 <= ratio <= 1.2}}
+    write_result(result, args.output)
+    return 0
