@@ -8,7 +8,11 @@ from pathlib import Path
 TORCH_FREE = ["ember.kv.block_hash", "ember.kv.chunks", "ember.kv.transfer", "ember.kv.bulk",
               "ember.engine.block_manager", "ember.engine.scheduler", "ember.engine.sampling_params",
               "ember.engine.sequence", "ember.engine.detokenizer", "ember.model.tokenizer", "ember.model.files",
-              "ember.cluster.config", "services.kvstore.store", "services.kvstore.service", "services.router.service"]
+              "ember.cluster.config", "services.kvstore.store", "services.kvstore.service", "services.router.service",
+              "ember.kv.wire", "ember.kv.codec", "ember.kv.shm", "ember.kv.directory", "services.kvstore.pull",
+              "services.kvstore.publisher", "ember.placement.config", "ember.placement.policy",
+              "ember.placement.simulate", "ember.placement.trace", "ember.placement.cli", "ember.cluster.wan",
+              "ember.rpc.site_kv"]
 ROOT = Path(__file__).resolve().parents[1]
 
 

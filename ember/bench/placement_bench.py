@@ -124,7 +124,7 @@ def main(args) -> int:
     data = cluster_config(str(Path(args.model).resolve()), profile, threads)
     config = ClusterConfig.model_validate(data)
     regions = [r.name for r in config.regions]
-    sessions_per_s, duration = (0.03, 60) if args.quick else (0.05, 160)
+    sessions_per_s, duration = (0.03, 60) if args.quick else (0.08, 150)
     trace = traces.agentic(regions, None, sessions_per_s=sessions_per_s, duration_s=duration, mean_turns=3,
                            system_tokens=(300, 900), max_context=2200, max_output=12, tool_scale=0.3, seed=5)
     progress(f"trace: {len(trace)} requests in {len({r.session for r in trace})} sessions")

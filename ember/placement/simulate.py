@@ -62,8 +62,8 @@ def _percentiles(values: np.ndarray) -> dict[str, float]:
 
 
 class Simulator:
-    def __init__(self, config: ClusterConfig, policy: str | None = None, slo_ttft_s: float = 2.0,
-                 slo_tpot_s: float = 0.1, kv_cache_tokens: int = 4_000_000):
+    def __init__(self, config: ClusterConfig, policy: str | None = None, slo_ttft_s: float = 1.0,
+                 slo_tpot_s: float = 0.05, kv_cache_tokens: int = 4_000_000):
         if policy is not None:
             data = config.model_dump()
             data["policy"]["name"] = policy

@@ -50,7 +50,7 @@ def agentic(regions: list[str], weights: list[float] | None = None, sessions_per
                 break
             tool = int(min(12000, rng.lognormvariate(5.8, 1.1)) * tool_scale)  # median ~330, heavy tail
             new = output + tool + rng.randint(10, 80)
-            if context + new + 2000 > max_context:
+            if context + new + max_output > max_context:  # room for the answer
                 break
             context += new
             arrival += output / 40 + rng.expovariate(1 / 4.0) + 0.5            # generation + think/tool time
