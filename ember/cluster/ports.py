@@ -17,10 +17,12 @@ def write_local_config(path: Path, model: str, kvstore_capacity_mb: int = 256, d
                        shared_memory: bool = True, **engine) -> dict[str, str]:
     """A two-site cluster config on free ports; returns the addresses by role."""
     addr = {name: f"127.0.0.1:{free_port()}"
-            for name in ("router", "prefill", "decode", "kv_central", "kv_edge", "kv_central_data", "kv_edge_data")}
+            for name in ("router", "router_http", "prefill", "decode", "kv_central", "kv_edge", "kv_central_data",
+                         "kv_edge_data")}
     config = {
         "model": model,
         "router": addr["router"],
+        "router_http": addr["router_http"],
         "prefill_site": "central",
         "decode_site": "edge",
         "sites": [

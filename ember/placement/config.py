@@ -124,6 +124,7 @@ class EngineSettings(Strict):
 class ClusterConfig(Strict):
     model: str = "models/SmolLM2-135M-Instruct.Q4_1.gguf"
     router: str = "127.0.0.1:50051"
+    router_http: str | None = None         # OpenAI-compatible HTTP API of the router (HOST:PORT)
     router_site: str | None = None         # where the router runs (for emulated links); default: decode_site
     prefill_site: str | None = None        # fixed placement, or the fallback for requests with no region
     decode_site: str | None = None
@@ -143,7 +144,7 @@ class ClusterConfig(Strict):
     directory: str | None = None
     directory_ttl_s: float = Field(60.0, gt=0)
 
-    _check = field_validator("router")(lambda cls, v: _address(v))
+    _check = field_validator("router", "router_http")(lambda cls, v: v if v is None else _address(v))
     _by_name: dict[str, Site] = PrivateAttr(default_factory=dict)
     _links: dict[tuple[str, str], Link] = PrivateAttr(default_factory=dict)
 

@@ -14,6 +14,7 @@ from ember.rpc.directory import DirectoryService
 from ember.rpc.server import Server, run_service
 from ember.v1 import directory_pb2_grpc, router_pb2, router_pb2_grpc
 from services.common import REPO_ROOT, load
+from services.router import openai_http
 from services.router.service import RouterService
 from services.router.stubs import SiteStubs
 
@@ -38,7 +39,13 @@ async def main(args) -> None:
     router_pb2_grpc.add_RouterServicer_to_server(service, server.server)
     if isinstance(directory, MemoryDirectory):
         directory_pb2_grpc.add_BlockDirectoryServicer_to_server(DirectoryService(directory), server.server)
-    await server.run(on_stop=directory.close)
+    http = await openai_http.serve(service, config.router_http) if config.router_http else None
+
+    async def stop():
+        if http is not None:
+            await http.cleanup()
+        await directory.close()
+    await server.run(on_stop=stop)
 
 
 if __name__ == "__main__":

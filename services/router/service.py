@@ -3,6 +3,7 @@ once, then relay decode's stream; the last message carries usage, timings, place
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -65,7 +66,16 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if not request.chat.messages:
                 raise invalid("chat.messages is empty")
             messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
+            extra = {}
+            if request.chat.tools_json:
+                try:
+                    extra["tools"] = json.loads(request.chat.tools_json)
+                except ValueError as e:
+                    raise invalid(f"chat.tools_json is not JSON: {e}") from e
+            try:
+                ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, **extra))
+            except ValueError as e:
+                raise invalid(f"chat: {e}") from e
         elif kind == "tokens":
             ids = list(request.tokens.token_ids)
             if any(t >= self.vocab_size for t in ids):

@@ -1,0 +1,76 @@
+"""The OpenAI-compatible HTTP API, driven by the official `openai` client against a real cluster."""
+from __future__ import annotations
+
+import openai
+import pytest
+
+from ember.cluster.launcher import down, up
+from ember.engine.sampling_params import SamplingParams
+from tests.cluster_fixture import write_config
+
+
+@pytest.fixture(scope="module")
+def api(tmp_path_factory, model_path):
+    run_dir = tmp_path_factory.mktemp("openai")
+    addr = write_config(run_dir / "cluster.yaml")
+    up(run_dir / "cluster.yaml", run_dir, timeout_s=240)
+    try:
+        yield openai.OpenAI(base_url=f"http://{addr['router_http']}/v1", api_key="unused", max_retries=0,
+                            timeout=120)
+    finally:
+        down(run_dir)
+
+
+def local_chat(engine, messages, max_tokens):
+    prompt = engine.tokenizer.apply_chat_template(messages)
+    out = engine.generate([prompt], SamplingParams(max_tokens=max_tokens))[0]
+    return out.text, out.finish_reason
+
+
+def test_models_lists_the_served_model(api):
+    models = api.models.list().data
+    assert len(models) == 1 and models[0].id == "SmolLM2-135M-Instruct.Q4_1"
+
+
+def test_chat_completion_equals_the_engine(api, engine):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    out = api.chat.completions.create(model="SmolLM2-135M-Instruct.Q4_1", messages=messages, max_tokens=12,
+                                      temperature=0)
+    text, reason = local_chat(engine, messages, 12)
+    assert out.object == "chat.completion" and out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == text and out.choices[0].finish_reason == reason
+    assert out.usage.completion_tokens <= 12 and out.usage.prompt_tokens > 10
+    assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
+
+
+def test_streaming_chat_multi_turn(api, engine):
+    history = [{"role": "user", "content": "Name a colour."}]
+    first = api.chat.completions.create(model="", messages=history, max_tokens=8)
+    history += [{"role": "assistant", "content": first.choices[0].message.content},
+                {"role": "user", "content": "And another one?"}]
+    chunks = list(api.chat.completions.create(model="", messages=history, max_tokens=10, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    want, reason = local_chat(engine, history, 10)
+    assert text == want and reasons == [reason]
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens >= 1
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0, "turn 2 reuses turn 1's KV"
+
+
+def test_text_completion(api, engine):
+    out = api.completions.create(model="", prompt="The capital of France is", max_tokens=6)
+    want = engine.generate(["The capital of France is"], SamplingParams(max_tokens=6))[0].text
+    assert out.object == "text_completion" and out.choices[0].text == want
+
+
+def test_bad_requests_are_openai_errors(api):
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model="", messages=[], max_tokens=5)
+    assert "messages" in str(e.value)
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "hi"}], max_tokens=5)
+    assert "not served here" in str(e.value)
+    with pytest.raises(openai.BadRequestError):
+        api.completions.create(model="", prompt="x", max_tokens=9000)  # past the context length
