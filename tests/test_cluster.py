@@ -262,3 +262,40 @@ def test_sigterm_drains_in_flight_streams_then_exits(cluster, tmp_path, engine):
             [want] = engine.generate([ids], SamplingParams(max_tokens=30, ignore_eos=True))
             assert tokens == want.token_ids
         assert proc.wait(timeout=30) == 0
+
+
+def test_one_request_is_one_trace_across_all_four_services(client, cluster, engine):
+    import json
+    from pathlib import Path
+    run_dir = Path(cluster["config"]).parent
+    ids = engine.tokenizer.encode("Tracing one request through every service: " + LONG_TEXT[:500])
+    out = client.complete(token_ids=ids, max_tokens=4, request_id="traced-1", timeout=120)
+    assert len(out.token_ids) == 4
+
+    def spans():
+        return [json.loads(line) for f in run_dir.glob("*.jsonl") for line in f.read_text().splitlines()]
+    deadline = time.monotonic() + 10
+    while not (roots := [s for s in spans() if s["attributes"].get("ember.request_id") == "traced-1"]):
+        assert time.monotonic() < deadline, "the router's span was not exported"
+        time.sleep(0.2)
+    [root] = roots
+    trace = [s for s in spans() if s["trace_id"] == root["trace_id"]]
+    services = {s["service"] for s in trace}
+    assert {"router", "prefill", "kvstore-central", "kvstore-edge", "decode"} <= services, services
+    by_id = {s["span_id"]: s for s in trace}
+    assert root["parent_id"] is None and root["name"] == "Generate"
+    for s in trace:
+        if s["span_id"] != root["span_id"]:
+            assert s["parent_id"] in by_id, f"{s['service']}:{s['name']} hangs off nothing in the trace"
+    named = {(s["service"], s["name"]): s for s in trace}
+    placement = named[("router", "placement")]["attributes"]
+    assert placement["ember.prefill_site"] == "central" and placement["ember.decode_site"] == "edge"
+    prefill = named[("prefill", "Prefill")]
+    assert prefill["parent_id"] == root["span_id"]
+    assert prefill["attributes"]["ember.tokens_computed"] + prefill["attributes"]["ember.tokens_cached"] == len(ids)
+    pull = named[("kvstore-edge", "Pull")]
+    assert pull["attributes"]["ember.blocks_requested"] == len(ids) // 16 and "ember.codec" in pull["attributes"]
+    assert by_id[pull["parent_id"]]["service"] == "decode", "decode's call to its kvstore is a child of decode"
+    decode = named[("decode", "Decode")]["attributes"]
+    assert decode["ember.completion_tokens"] == 4 and decode["ember.tpot_s"] > 0
+    assert root["attributes"]["ember.completion_tokens"] == 4

@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import nullcontext
 
 import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
 
 from ember.engine.errors import CapacityError, IntegrityError, InvalidRequestError
 from ember.kv import wire
+from ember.rpc import tracing
 
 log = logging.getLogger("ember.rpc")
 
@@ -67,29 +71,56 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 log.info("%s -> %s: %s", method, code.name, message)
             await context.abort(code, message)
 
+        traced = not method.startswith("/grpc.")  # health checks and reflection stay out of traces
+
+        def span(context):
+            return tracing.server_span(method, context.invocation_metadata()) if traced else nullcontext()
+
+        def failed(exc) -> None:
+            code, message = status_for(exc)
+            tracing.annotate(status_code=code.name)
+            trace.get_current_span().set_status(trace.Status(trace.StatusCode.ERROR, message))
+
         def wrap_unary(fn):
             async def wrapped(request, context):
-                try:
-                    return await fn(request, context)
-                except asyncio.CancelledError:
-                    raise
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    await abort(context, exc)
+                with span(context):
+                    try:
+                        return await fn(request, context)
+                    except asyncio.CancelledError:
+                        raise
+                    except grpc.aio.AbortError:
+                        raise
+                    except Exception as exc:  # noqa: BLE001
+                        failed(exc)
+                        await abort(context, exc)
             return wrapped
 
         def wrap_stream(fn):
             async def wrapped(request, context):
+                # gRPC may drive each step of a streaming handler from a fresh context copy,
+                # so the span is made current again around every step, not once
+                span = tracing.start_server_span(method, context.invocation_metadata()) if traced else None
+                current = trace.set_span_in_context(span) if span is not None else otel_context.get_current()
+                steps = fn(request, context)
                 try:
-                    async for item in fn(request, context):
+                    while True:
+                        token = otel_context.attach(current)
+                        try:
+                            item = await steps.__anext__()
+                        except StopAsyncIteration:
+                            return
+                        except (asyncio.CancelledError, grpc.aio.AbortError):
+                            raise
+                        except Exception as exc:  # noqa: BLE001
+                            failed(exc)
+                            await abort(context, exc)
+                        finally:
+                            otel_context.detach(token)
                         yield item
-                except asyncio.CancelledError:
-                    raise
-                except grpc.aio.AbortError:
-                    raise
-                except Exception as exc:  # noqa: BLE001
-                    await abort(context, exc)
+                finally:
+                    await steps.aclose()
+                    if span is not None:
+                        span.end()
             return wrapped
 
         if handler.unary_unary:

@@ -11,6 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from ember.rpc import tracing
 from ember.rpc.errors import ErrorInterceptor
 
 MAX_MESSAGE_BYTES = 64 * 2**20
@@ -21,7 +22,9 @@ CHANNEL_OPTIONS = [
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+    """A client channel that carries the trace context of the calling request."""
+    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
+                                     interceptors=tracing.client_interceptors())
 
 
 class Server:
@@ -62,8 +65,9 @@ class Server:
             await on_stop()
 
 
-def run_service(main: Callable[[], Awaitable[None]]) -> None:
-    """Entry point helper: logging, uvloop, run."""
+def run_service(main: Callable[[], Awaitable[None]], name: str) -> None:
+    """Entry point helper: logging, tracing, uvloop, run."""
     import uvloop
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    tracing.setup(name)
     uvloop.run(main())

@@ -17,4 +17,4 @@ async def main(args) -> None:
 
 if __name__ == "__main__":
     args = engine_args("services.decode")
-    run_service(lambda: main(args))
+    run_service(lambda: main(args), "decode")

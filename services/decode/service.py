@@ -11,6 +11,7 @@ import time
 import grpc
 
 from ember.engine.engine import LLMEngine
+from ember.rpc import tracing
 from ember.rpc.convert import sampling_from_pb
 from ember.rpc.errors import RpcError, require_ready
 from ember.rpc.site_kv import SiteKV
@@ -58,7 +59,14 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                     msg.transfer_s = transfer_s
                     msg.blocks_pulled, msg.bytes_pulled = pulled.blocks_pulled, pulled.bytes_pulled
                     msg.recomputed_tokens = len(prompt) + 1 - out.cached_tokens
+                    tracing.annotate(prompt_tokens=len(prompt), blocks_needed=len(need),
+                                     blocks_pulled=pulled.blocks_pulled, bytes_pulled=pulled.bytes_pulled,
+                                     transfer_s=transfer_s, recomputed_tokens=msg.recomputed_tokens)
                     first = False
+                    first_at = time.perf_counter()
+                if out.finished:
+                    tracing.annotate(completion_tokens=out.completion_tokens, finish_reason=out.finish_reason,
+                                     tpot_s=(time.perf_counter() - first_at) / max(1, out.completion_tokens - 2))
                 yield msg
         finally:
             await self.kv.release(lease[0], check=False)  # an error or cancel before the copy

@@ -64,4 +64,4 @@ if __name__ == "__main__":
     if args.directory and not args.site:
         p.error("--directory needs --site")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s kvstore %(levelname)s %(message)s")
-    run_service(lambda: main(args))
+    run_service(lambda: main(args), f"kvstore-{args.site}" if args.site else "kvstore")

@@ -8,6 +8,7 @@ import grpc
 
 from ember.kv import codec, wire
 from ember.kv.chunks import Assembler, split
+from ember.rpc import tracing
 from ember.rpc.errors import RpcError
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.kvstore.pull import PeerFetcher
@@ -99,6 +100,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
                                                                            context.time_remaining())
             if waiting and not all(await asyncio.gather(*waiting)):
                 raise RpcError(grpc.StatusCode.UNAVAILABLE, "a concurrent pull of the same blocks failed")
+            tracing.annotate(source=request.source, blocks_requested=len(hashes), blocks_pulled=pulled_blocks,
+                             bytes_pulled=pulled_bytes, wire_bytes=wire_bytes, codec=codec_name,
+                             seconds=time.perf_counter() - start)
             response = kvstore_pb2.PullResponse(blocks_pulled=pulled_blocks, bytes_pulled=pulled_bytes,
                                                 blocks_present=len(hashes) - pulled_blocks, wire_bytes=wire_bytes,
                                                 codec=codec_name, seconds=time.perf_counter() - start)

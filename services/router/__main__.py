@@ -54,4 +54,4 @@ if __name__ == "__main__":
     p.add_argument("--route", action="append", default=[], metavar="ADDRESS=RELAY",
                    help="reach ADDRESS through RELAY (an emulated link); repeatable")
     args = p.parse_args()
-    run_service(lambda: main(args))
+    run_service(lambda: main(args), "router")

@@ -14,6 +14,7 @@ from ember.kv.block_hash import chain_hashes
 from ember.kv.directory import BlockDirectory
 from ember.model.tokenizer import Tokenizer
 from ember.placement.policy import Load, NoCapacity, Placer, Request
+from ember.rpc import tracing
 from ember.rpc.convert import sampling_from_pb, sampling_to_pb
 from ember.rpc.errors import RpcError
 from ember.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc
@@ -106,13 +107,19 @@ class RouterService(router_pb2_grpc.RouterServicer):
         looked_up = time.perf_counter()
         cached = await self._cached_blocks(hashes)
         directory_s = time.perf_counter() - looked_up
-        try:
-            decision = self.placer.place(Request(len(prompt), params.max_tokens, request.user_region or None, cached,
-                                                 request.session_id), self.load)
-        except NoCapacity as e:
-            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
+        with tracing.tracer.start_as_current_span("placement"):
+            try:
+                decision = self.placer.place(Request(len(prompt), params.max_tokens, request.user_region or None,
+                                                     cached, request.session_id), self.load)
+            except NoCapacity as e:
+                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
+            est = decision.estimate
+            tracing.annotate(prefill_site=decision.prefill_site, decode_site=decision.decode_site,
+                             reason=decision.reason, estimated_queue_s=est.queue_s, estimated_prefill_s=est.prefill_s,
+                             estimated_link_s=est.link_s, uncached_tokens=est.uncached_tokens,
+                             cached_blocks=json.dumps(cached), directory_s=directory_s)
+        tracing.annotate(request_id=request_id, prompt_tokens=len(prompt), user_region=request.user_region)
         log.info("%s: %s", request_id, decision.summary())
-        est = decision.estimate
         placement = common_pb2.Placement(
             prefill_site=decision.prefill_site, decode_site=decision.decode_site, cached_blocks=cached,
             directory_s=directory_s, reason=decision.reason, estimated_queue_s=est.queue_s,
@@ -154,6 +161,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     timings.decode_s = done - first_at
                     timings.e2e_s = done - received
                     timings.tpot_s = timings.decode_s / max(1, d.completion_tokens - 1)
+                    tracing.annotate(completion_tokens=d.completion_tokens, cached_tokens=usage.cached_tokens,
+                                     ttft_s=timings.ttft_s, tpot_s=timings.tpot_s, finish_reason=d.finish_reason)
                     msg.MergeFrom(router_pb2.GenerateResponse(finished=True, finish_reason=d.finish_reason, usage=usage,
                                                               timings=timings, placement=placement))
                 yield msg
