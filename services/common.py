@@ -13,6 +13,7 @@ def engine_args(prog: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog)
     p.add_argument("--config", required=True, help="cluster YAML")
     p.add_argument("--site", required=True)
+    p.add_argument("--metrics-listen", help="HOST:PORT serving Prometheus /metrics")
     return p.parse_args()
 
 
@@ -31,17 +32,21 @@ def load(args) -> ClusterConfig:
     return load_config(args.config)
 
 
-async def serve_engine_service(address: str, service_name: str, service, add_to_server, config: ClusterConfig) -> None:
+async def serve_engine_service(address: str, service_name: str, service, add_to_server, config: ClusterConfig,
+                               metrics_listen: str | None = None) -> None:
     """Serve an engine-backed servicer: health says NOT_SERVING while the model loads (off the
     event loop, so health checks are answered), SERVING once `service.engine` is set."""
     import asyncio
 
+    from ember.rpc import metrics
     from ember.rpc.server import Server
     server = Server(address, [service_name])
     add_to_server(service, server.server)
+    metrics.serve(metrics_listen)
 
     async def warmup():
         service.engine = await asyncio.to_thread(build_engine, config)
+        metrics.watch_engine(service.engine.engine)
 
     async def stop():
         service.engine.stop()

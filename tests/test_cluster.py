@@ -299,3 +299,56 @@ def test_one_request_is_one_trace_across_all_four_services(client, cluster, engi
     decode = named[("decode", "Decode")]["attributes"]
     assert decode["ember.completion_tokens"] == 4 and decode["ember.tpot_s"] > 0
     assert root["attributes"]["ember.completion_tokens"] == 4
+
+
+def scrape(address: str) -> dict[str, float]:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return values
+
+
+def test_metrics_move_with_a_request(client, cluster, engine):
+    import json
+    from pathlib import Path
+    services = json.loads((Path(cluster["config"]).parent / "services.json").read_text())
+    names = ("router", "prefill-central", "decode-edge", "kvstore-central", "kvstore-edge")
+    before = {n: scrape(services[n]["metrics"]) for n in names}
+    ids = engine.tokenizer.encode("Metrics should move: " + LONG_TEXT[900:1400])
+    out = client.complete(token_ids=ids, max_tokens=5, ignore_eos=True, timeout=120)
+    assert len(out.token_ids) == 5
+    after = {n: scrape(services[n]["metrics"]) for n in names}
+
+    def moved(service: str, key: str) -> float:
+        return after[service].get(key, 0) - before[service].get(key, 0)
+    assert moved("router", "ember:time_to_first_token_seconds_count") == 1
+    assert moved("router", "ember:e2e_request_latency_seconds_count") == 1
+    assert moved("router", "ember:time_per_output_token_seconds_count") == 1
+    assert moved("router", "ember:generation_tokens_total") == 5
+    assert moved("router", "ember:prompt_tokens_total") == len(ids)
+    assert moved("router", "ember:request_success_total{finished_reason=length}") == 1
+    assert moved("router", "ember:inter_token_latency_seconds_count") >= 1
+    assert moved("prefill-central", "ember:prefix_cache_queries_total") == len(ids)
+    assert moved("decode-edge", "ember:prefix_cache_hits_total") >= len(ids) // 16 * 16
+    assert "ember:kv_cache_usage_perc" in after["decode-edge"] and "ember:num_requests_running" in after["decode-edge"]
+    assert moved("kvstore-central", "ember:kvstore_bytes_in_total{via=put}") > 0
+    assert moved("kvstore-edge", "ember:kvstore_bytes_in_total{via=pull}") > 0
+    assert moved("kvstore-central", "ember:kvstore_bytes_out_total") > 0
+    assert moved("kvstore-edge", "ember:kvstore_pull_throughput_bytes_per_second_count") == 1
+
+
+def test_errors_are_counted_by_status(client, cluster):
+    import json
+    from pathlib import Path
+    services = json.loads((Path(cluster["config"]).parent / "services.json").read_text())
+    key = "ember:request_errors_total{code=INVALID_ARGUMENT,method=/ember.v1.Router/Generate}"
+    before = scrape(services["router"]["metrics"]).get(key, 0)
+    with pytest.raises(grpc.RpcError):
+        client.complete(text="", max_tokens=4, timeout=30)
+    assert scrape(services["router"]["metrics"]).get(key, 0) - before == 1

@@ -77,6 +77,9 @@ def service_commands(config: ClusterConfig, config_path: Path, run_dir: Path | N
                                                site.decode)
     router = [py, "-m", "services.router", "--config", cfg] + [a for r in routes["router"] for a in ("--route", r)]
     commands["router"] = (router, config.router)
+    for argv, address in commands.values():
+        if address is not None:  # every gRPC service also serves Prometheus /metrics
+            argv += ["--metrics-listen", f"127.0.0.1:{free_port()}"]
     return commands
 
 
@@ -122,6 +125,9 @@ def up(config_path: str | Path, run_dir: str | Path, timeout_s: float = 300) -> 
                 procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
                                                start_new_session=True)
             (run_dir / "pids.json").write_text(json.dumps({n: p.pid for n, p in procs.items()}))
+        (run_dir / "services.json").write_text(json.dumps(  # for `ember status` and tests
+            {n: {"address": a, "metrics": argv[argv.index("--metrics-listen") + 1] if "--metrics-listen" in argv
+                 else None} for n, (argv, a) in commands.items()}, indent=1))
         deadline = time.monotonic() + timeout_s
         for name, (_, address) in commands.items():
             if address is not None:

@@ -11,7 +11,7 @@ from opentelemetry import trace
 
 from ember.engine.errors import CapacityError, IntegrityError, InvalidRequestError
 from ember.kv import wire
-from ember.rpc import tracing
+from ember.rpc import metrics, tracing
 
 log = logging.getLogger("ember.rpc")
 
@@ -65,6 +65,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         async def abort(context, exc):
             code, message = status_for(exc)
+            metrics.RPC_ERRORS.labels(method, code.name).inc()
             if code == grpc.StatusCode.INTERNAL:
                 log.exception("%s failed", method)
             else:

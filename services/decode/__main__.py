@@ -12,7 +12,7 @@ async def main(args) -> None:
     site = config.site(args.site)
     await serve_engine_service(site.decode, decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name,
                                DecodeService(channel(site.kvstore)), decode_pb2_grpc.add_DecodeServicer_to_server,
-                               config)
+                               config, args.metrics_listen)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import time
 import grpc
 
 from ember.engine.engine import LLMEngine
-from ember.rpc import tracing
+from ember.rpc import metrics, tracing
 from ember.rpc.convert import sampling_from_pb
 from ember.rpc.errors import RpcError, require_ready
 from ember.rpc.site_kv import SiteKV
@@ -59,6 +59,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                     msg.transfer_s = transfer_s
                     msg.blocks_pulled, msg.bytes_pulled = pulled.blocks_pulled, pulled.bytes_pulled
                     msg.recomputed_tokens = len(prompt) + 1 - out.cached_tokens
+                    metrics.PREFIX_QUERIES.inc(len(prompt) + 1)
+                    metrics.PREFIX_HITS.inc(out.cached_tokens)
                     tracing.annotate(prompt_tokens=len(prompt), blocks_needed=len(need),
                                      blocks_pulled=pulled.blocks_pulled, bytes_pulled=pulled.bytes_pulled,
                                      transfer_s=transfer_s, recomputed_tokens=msg.recomputed_tokens)

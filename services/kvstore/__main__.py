@@ -9,6 +9,7 @@ import os
 from ember.cluster.wan import parse_routes
 from ember.kv import bulk, transfer
 from ember.kv.shm import ArenaServer
+from ember.rpc import metrics
 from ember.rpc.directory import open_directory
 from ember.rpc.server import Server, run_service
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -20,6 +21,8 @@ from services.kvstore.store import BlockStore
 async def main(args) -> None:
     server = Server(args.listen, [kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name])
     store = BlockStore(args.capacity_mb * 2**20)
+    metrics.watch_store(store)
+    metrics.serve(args.metrics_listen)
     store_id = os.urandom(16)
     shm_socket = "" if args.shm_socket == "off" else args.shm_socket or f"@ember-kvstore-{store_id.hex()}"
     arena = ArenaServer(shm_socket, store.fd, store.capacity_bytes, store_id) if shm_socket else None
@@ -59,6 +62,7 @@ if __name__ == "__main__":
     p.add_argument("--directory", default="", help="block directory: redis://HOST:PORT/DB or grpc://HOST:PORT")
     p.add_argument("--route", action="append", default=[], metavar="ADDRESS=RELAY",
                    help="reach peer ADDRESS through RELAY (an emulated link); repeatable")
+    p.add_argument("--metrics-listen", help="HOST:PORT serving Prometheus /metrics")
     p.add_argument("--directory-ttl-s", type=float, default=60.0, help="directory entries expire unless refreshed")
     args = p.parse_args()
     if args.directory and not args.site:

@@ -8,7 +8,7 @@ import grpc
 
 from ember.kv import codec, wire
 from ember.kv.chunks import Assembler, split
-from ember.rpc import tracing
+from ember.rpc import metrics, tracing
 from ember.rpc.errors import RpcError
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.kvstore.pull import PeerFetcher
@@ -62,6 +62,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         except BaseException:
             self.store.abandon(slot)
             raise
+        self.store.stats.bytes_put += len(view)
         return self.store.commit(block_hash, slot)
 
     def _reserve(self, num_bytes: int) -> tuple[int, memoryview]:
@@ -100,6 +101,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
                                                                            context.time_remaining())
             if waiting and not all(await asyncio.gather(*waiting)):
                 raise RpcError(grpc.StatusCode.UNAVAILABLE, "a concurrent pull of the same blocks failed")
+            if pulled_bytes:
+                metrics.KV_PULL_THROUGHPUT.observe(pulled_bytes / max(1e-9, time.perf_counter() - start))
             tracing.annotate(source=request.source, blocks_requested=len(hashes), blocks_pulled=pulled_blocks,
                              bytes_pulled=pulled_bytes, wire_bytes=wire_bytes, codec=codec_name,
                              seconds=time.perf_counter() - start)

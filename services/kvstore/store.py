@@ -33,6 +33,8 @@ class StoreStats:
     blocks_served: int = 0
     blocks_pulled: int = 0
     bytes_pulled: int = 0
+    bytes_put: int = 0      # stored by writers (put, bulk put)
+    bytes_served: int = 0   # read out (streams, data plane, leases)
     leases_expired: int = 0
 
 
@@ -135,6 +137,7 @@ class BlockStore:
         self.blocks.move_to_end(block_hash)
         self.stats.hits += 1
         self.stats.blocks_served += 1
+        self.stats.bytes_served += self.slot_bytes
         return self.view(slot)
 
     @contextmanager

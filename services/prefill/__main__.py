@@ -12,7 +12,7 @@ async def main(args) -> None:
     site = config.site(args.site)
     service = PrefillService(site.name, site.kvstore, channel(site.kvstore))
     await serve_engine_service(site.prefill, prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name,
-                               service, prefill_pb2_grpc.add_PrefillServicer_to_server, config)
+                               service, prefill_pb2_grpc.add_PrefillServicer_to_server, config, args.metrics_listen)
 
 
 if __name__ == "__main__":

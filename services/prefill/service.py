@@ -10,7 +10,7 @@ from ember.engine.detokenizer import streamed_text
 from ember.engine.engine import LLMEngine, RequestOutput
 from ember.kv import bulk
 from ember.kv.block_hash import chain_hashes
-from ember.rpc import tracing
+from ember.rpc import metrics, tracing
 from ember.rpc.convert import sampling_from_pb
 from ember.rpc.errors import RpcError, require_ready
 from ember.rpc.site_kv import SiteKV
@@ -64,6 +64,8 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         if exported:
             # raw-bytes gRPC: ~3x the typed Put (protobuf copies every bytes field)
             stored, _ = await bulk.put(self.kvstore_channel, exported, timeout=context.time_remaining())
+        metrics.PREFIX_QUERIES.inc(len(prompt))
+        metrics.PREFIX_HITS.inc(final.cached_tokens)
         tracing.annotate(site=self.site, prompt_tokens=len(prompt), tokens_cached=final.cached_tokens,
                          tokens_computed=len(prompt) - final.cached_tokens, blocks_imported=len(payloads),
                          blocks_stored=stored)

@@ -10,6 +10,7 @@ from ember.kv.directory import MemoryDirectory, RedisDirectory
 from ember.model.files import folder_fingerprint, model_folder
 from ember.model.tokenizer import Tokenizer
 from ember.placement.policy import Placer
+from ember.rpc import metrics
 from ember.rpc.directory import DirectoryService
 from ember.rpc.server import Server, run_service
 from ember.v1 import directory_pb2_grpc, router_pb2, router_pb2_grpc
@@ -40,6 +41,7 @@ async def main(args) -> None:
     if isinstance(directory, MemoryDirectory):
         directory_pb2_grpc.add_BlockDirectoryServicer_to_server(DirectoryService(directory), server.server)
     http = await openai_http.serve(service, config.router_http) if config.router_http else None
+    metrics.serve(args.metrics_listen)
 
     async def stop():
         if http is not None:
@@ -51,6 +53,7 @@ async def main(args) -> None:
 if __name__ == "__main__":
     p = argparse.ArgumentParser(prog="services.router")
     p.add_argument("--config", required=True)
+    p.add_argument("--metrics-listen", help="HOST:PORT serving Prometheus /metrics")
     p.add_argument("--route", action="append", default=[], metavar="ADDRESS=RELAY",
                    help="reach ADDRESS through RELAY (an emulated link); repeatable")
     args = p.parse_args()

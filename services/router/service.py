@@ -14,7 +14,7 @@ from ember.kv.block_hash import chain_hashes
 from ember.kv.directory import BlockDirectory
 from ember.model.tokenizer import Tokenizer
 from ember.placement.policy import Load, NoCapacity, Placer, Request
-from ember.rpc import tracing
+from ember.rpc import metrics, tracing
 from ember.rpc.convert import sampling_from_pb, sampling_to_pb
 from ember.rpc.errors import RpcError
 from ember.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc
@@ -133,11 +133,17 @@ class RouterService(router_pb2_grpc.RouterServicer):
         finally:
             queue[decision.prefill_site] = max(0.0, queue[decision.prefill_site] - est.prefill_s)
         first_at = time.perf_counter()
+        metrics.TTFT.observe(first_at - received)
+        metrics.PROMPT_TOKENS.inc(len(prompt))
+        metrics.PLACEMENTS.labels(decision.prefill_site, decision.decode_site).inc()
         usage = common_pb2.Usage(prompt_tokens=len(prompt), cached_tokens=pre.cached_tokens, completion_tokens=1)
         timings = common_pb2.Timings(ttft_s=first_at - received, prefill_s=first_at - received)
         first = router_pb2.GenerateResponse(request_id=request_id, token_ids=[pre.first_token], text=pre.first_text)
         if pre.finished:
             timings.e2e_s = timings.ttft_s
+            metrics.E2E.observe(timings.e2e_s)
+            metrics.GENERATION_TOKENS.inc(1)
+            metrics.REQUEST_SUCCESS.labels(pre.finish_reason).inc()
             first.MergeFrom(router_pb2.GenerateResponse(finished=True, finish_reason=pre.finish_reason, usage=usage,
                                                         timings=timings, placement=placement))
             yield first
@@ -151,7 +157,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
             block_hashes=pre.block_hashes, source_kvstore=pre.kvstore_address, sampling=pb_params),
             timeout=context.time_remaining())
         try:
+            last = first_at
             async for d in stream:
+                now = time.perf_counter()
+                if d.token_ids:
+                    metrics.INTER_TOKEN.observe(now - last)
+                    last = now
                 if d.transfer_s:
                     timings.transfer_s = d.transfer_s
                 msg = router_pb2.GenerateResponse(request_id=request_id, token_ids=d.token_ids, text=d.text)
@@ -163,6 +174,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     timings.tpot_s = timings.decode_s / max(1, d.completion_tokens - 1)
                     tracing.annotate(completion_tokens=d.completion_tokens, cached_tokens=usage.cached_tokens,
                                      ttft_s=timings.ttft_s, tpot_s=timings.tpot_s, finish_reason=d.finish_reason)
+                    metrics.TPOT.observe(timings.tpot_s)
+                    metrics.E2E.observe(timings.e2e_s)
+                    metrics.GENERATION_TOKENS.inc(d.completion_tokens)
+                    metrics.REQUEST_SUCCESS.labels(d.finish_reason).inc()
                     msg.MergeFrom(router_pb2.GenerateResponse(finished=True, finish_reason=d.finish_reason, usage=usage,
                                                               timings=timings, placement=placement))
                 yield msg

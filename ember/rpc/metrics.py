@@ -1,0 +1,71 @@
+"""Prometheus metrics of every service, named after vLLM's where one exists (`vllm:` -> `ember:`).
+
+Each process serves its registry on `/metrics` (`serve(address)`, a small thread from
+prometheus-client). Gauges that mirror engine or store state are read at scrape time.
+"""
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TOKEN = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
+
+# router: the user's view
+TTFT = Histogram("ember:time_to_first_token_seconds", "Time to first token", buckets=_LATENCY)
+TPOT = Histogram("ember:time_per_output_token_seconds", "Mean time per output token of a request", buckets=_TOKEN)
+INTER_TOKEN = Histogram("ember:inter_token_latency_seconds", "Gap between streamed tokens", buckets=_TOKEN)
+E2E = Histogram("ember:e2e_request_latency_seconds", "Request latency, received to last token", buckets=_LATENCY)
+REQUEST_SUCCESS = Counter("ember:request_success", "Finished requests", ["finished_reason"])
+PROMPT_TOKENS = Counter("ember:prompt_tokens", "Prompt tokens received")
+GENERATION_TOKENS = Counter("ember:generation_tokens", "Tokens generated")
+PLACEMENTS = Counter("ember:placements", "Placement decisions", ["prefill_site", "decode_site"])
+# every service
+RPC_ERRORS = Counter("ember:request_errors", "Calls that ended in an error, by gRPC status", ["method", "code"])
+# engine services (prefill, decode)
+RUNNING = Gauge("ember:num_requests_running", "Sequences in the running batch")
+WAITING = Gauge("ember:num_requests_waiting", "Sequences waiting for admission")
+KV_USAGE = Gauge("ember:kv_cache_usage_perc", "Fraction of the paged KV pool referenced by sequences")
+PREFIX_QUERIES = Counter("ember:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
+PREFIX_HITS = Counter("ember:prefix_cache_hits", "Prompt tokens found in the prefix cache")
+# kvstore (its counters live in BlockStore.stats and are read at scrape time)
+KV_PULL_THROUGHPUT = Histogram("ember:kvstore_pull_throughput_bytes_per_second", "Throughput of pulls",
+                               buckets=(1e7, 5e7, 1e8, 2.5e8, 5e8, 1e9, 2e9, 4e9, 8e9))
+
+
+class _StoreCollector:
+    def __init__(self, store):
+        self.store = store
+
+    def collect(self):
+        store, stats = self.store, self.store.stats
+        bytes_in = CounterMetricFamily("ember:kvstore_bytes_in", "Frame bytes stored", labels=["via"])
+        bytes_in.add_metric(["put"], stats.bytes_put)
+        bytes_in.add_metric(["pull"], stats.bytes_pulled)
+        yield bytes_in
+        yield CounterMetricFamily("ember:kvstore_bytes_out", "Frame bytes served to readers", value=stats.bytes_served)
+        yield CounterMetricFamily("ember:kvstore_evictions", "Blocks evicted", value=stats.evictions)
+        for name, doc, value in (("ember:kvstore_blocks", "Blocks held", len(store.blocks)),
+                                 ("ember:kvstore_bytes", "Bytes held", store.bytes),
+                                 ("ember:kvstore_pinned_blocks", "Blocks pinned by transfers or leases",
+                                  len(store.pins)),
+                                 ("ember:kvstore_leases", "Leases held", len(store.leases))):
+            yield GaugeMetricFamily(name, doc, value=value)
+
+
+def watch_engine(engine) -> None:
+    """Engine gauges, read when scraped (lengths and counters only: safe from another thread)."""
+    RUNNING.set_function(lambda: len(engine.scheduler.running))
+    WAITING.set_function(lambda: len(engine.scheduler.waiting))
+    bm = engine.block_manager
+    KV_USAGE.set_function(lambda: bm.num_used_blocks / max(1, bm.num_blocks))
+
+
+def watch_store(store) -> None:
+    REGISTRY.register(_StoreCollector(store))
+
+
+def serve(address: str | None) -> None:
+    if address:
+        host, port = address.rsplit(":", 1)
+        start_http_server(int(port), addr=host)
