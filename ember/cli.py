@@ -96,7 +96,7 @@ def cmd_down(args) -> int:
 def cmd_fetch_model(args) -> int:
     from ember.model.fetch import fetch_default_model
     from ember.model.loader import ensure_gguf_cache
-    path = fetch_default_model()
+    path = fetch_default_model(Path(args.dest)) if args.dest else fetch_default_model()
     ensure_gguf_cache(path)
     print(path)
     return 0
@@ -148,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_down)
 
     f = sub.add_parser("fetch-model", help="download, verify and convert the default model")
+    f.add_argument("--dest", help="GGUF path to write (default: models/ in the repository)")
     f.set_defaults(func=cmd_fetch_model)
 
     b = sub.add_parser("bench", help="benchmarks that write JSON")

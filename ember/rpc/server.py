@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable
 
@@ -19,6 +20,13 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+
+
+def bind_address(address: str) -> str:
+    """Where to listen for `address`. With EMBER_BIND_HOST set (Kubernetes: 0.0.0.0) a service
+    listens there on the same port while the config keeps the name others dial (a Service)."""
+    host = os.environ.get("EMBER_BIND_HOST")
+    return f"{host}:{address.rsplit(':', 1)[1]}" if host else address
 
 
 def channel(address: str) -> grpc.aio.Channel:
@@ -38,7 +46,7 @@ class Server:
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(service_names + [reflection.SERVICE_NAME, health.SERVICE_NAME],
                                             self.server)
-        if self.server.add_insecure_port(address) == 0:
+        if self.server.add_insecure_port(bind_address(address)) == 0:
             raise OSError(f"cannot listen on {address}")
 
     async def set_status(self, status) -> None:

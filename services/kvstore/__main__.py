@@ -11,7 +11,7 @@ from ember.kv import bulk, transfer
 from ember.kv.shm import ArenaServer
 from ember.rpc import metrics
 from ember.rpc.directory import open_directory
-from ember.rpc.server import Server, run_service
+from ember.rpc.server import Server, bind_address, run_service
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.kvstore.publisher import Publisher
 from services.kvstore.service import KVStoreService
@@ -32,7 +32,7 @@ async def main(args) -> None:
     server.server.add_generic_rpc_handlers((bulk.handler(store.pinned, service.put_frame),))
     data_server = None
     if args.data_listen:
-        host, port = args.data_listen.rsplit(":", 1)
+        host, port = bind_address(args.data_listen).rsplit(":", 1)
         data_server = await transfer.serve(host, int(port), store.pinned)
     publisher = None
     if args.directory:

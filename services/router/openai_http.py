@@ -16,6 +16,7 @@ import grpc
 from aiohttp import web
 
 from ember.rpc.errors import status_for
+from ember.rpc.server import bind_address
 from ember.v1 import common_pb2, router_pb2
 
 DEFAULT_MAX_TOKENS = 256
@@ -220,6 +221,6 @@ class OpenAIApp:
 async def serve(service, address: str) -> web.AppRunner:
     runner = web.AppRunner(OpenAIApp(service).app, access_log=None)
     await runner.setup()
-    host, port = address.rsplit(":", 1)
+    host, port = bind_address(address).rsplit(":", 1)
     await web.TCPSite(runner, host, int(port)).start()
     return runner
