@@ -102,6 +102,16 @@ def cmd_fetch_model(args) -> int:
     return 0
 
 
+def cmd_status(args) -> int:
+    from ember.cluster.status import render
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "services.json").exists():
+        print(f"no cluster in {run_dir} (start one with `ember up`)", file=sys.stderr)
+        return 1
+    print(render(run_dir))
+    return 0
+
+
 def cmd_bench(args) -> int:
     args.output = args.output or f"bench-out/{args.what}.json"
     if args.what == "engine":
@@ -143,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--config", default=str(DEFAULT_CLUSTER_CONFIG))
     u.add_argument("--run-dir", default="runs/local")
     u.set_defaults(func=cmd_up)
+    st = sub.add_parser("status", help="health, load and KV usage of each service of the local cluster")
+    st.add_argument("--run-dir", default="runs/local")
+    st.set_defaults(func=cmd_status)
     d = sub.add_parser("down", help="stop the local cluster")
     d.add_argument("--run-dir", default="runs/local")
     d.set_defaults(func=cmd_down)

@@ -249,6 +249,7 @@ def test_router_with_a_dead_prefill_answers_unavailable_not_a_hang(tmp_path, mod
 def test_sigterm_drains_in_flight_streams_then_exits(cluster, tmp_path, engine):
     config = yaml.safe_load(open(cluster["config"]))
     config["router"] = f"127.0.0.1:{free_port()}"  # a second router in front of the same cluster
+    config.pop("router_http", None)  # (the first one holds the HTTP port)
     (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(config))
     with router_process(tmp_path / "cluster.yaml", config["router"]) as proc:
         ids = engine.tokenizer.encode(PROMPTS[2])
@@ -352,3 +353,32 @@ def test_errors_are_counted_by_status(client, cluster):
     with pytest.raises(grpc.RpcError):
         client.complete(text="", max_tokens=4, timeout=30)
     assert scrape(services["router"]["metrics"]).get(key, 0) - before == 1
+
+
+def test_ember_status_shows_health_load_and_kv(cluster):
+    from pathlib import Path
+
+    from ember.cli import main
+    run_dir = Path(cluster["config"]).parent
+    import contextlib
+    import io
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["status", "--run-dir", str(run_dir)]) == 0
+    lines = out.getvalue().splitlines()
+    assert lines[0].split()[:3] == ["service", "address", "health"]
+    by_name = {line.split()[0]: line for line in lines[1:]}
+    assert set(by_name) == {"router", "prefill-central", "decode-edge", "kvstore-central", "kvstore-edge"}
+    assert all(" SERVING " in line for line in by_name.values())
+    assert "%" in by_name["decode-edge"], "decode shows its KV pool usage"
+
+
+def test_service_logs_are_json_with_request_ids(client, cluster):
+    import json
+    from pathlib import Path
+    client.complete(text="Log this request.", max_tokens=3, request_id="logged-1", timeout=60)
+    records = [json.loads(line) for line in (Path(cluster["config"]).parent / "router.log").read_text().splitlines()
+               if line.startswith("{")]
+    mine = [r for r in records if r.get("request_id") == "logged-1"]
+    assert mine and all(r["service"] == "router" for r in mine)
+    assert any("prefill@central decode@edge" in r["message"] for r in mine)

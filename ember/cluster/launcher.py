@@ -115,6 +115,7 @@ def up(config_path: str | Path, run_dir: str | Path, timeout_s: float = 300) -> 
         down(run_dir)
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env.setdefault("EMBER_LOG_FORMAT", "json")  # one JSON object per line, with request ids
     if not env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         env.setdefault("EMBER_TRACE_DIR", str(run_dir))  # spans as JSON lines beside the logs
     procs: dict[str, subprocess.Popen] = {}

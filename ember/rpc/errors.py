@@ -11,7 +11,7 @@ from opentelemetry import trace
 
 from ember.engine.errors import CapacityError, IntegrityError, InvalidRequestError
 from ember.kv import wire
-from ember.rpc import metrics, tracing
+from ember.rpc import logs, metrics, tracing
 
 log = logging.getLogger("ember.rpc")
 
@@ -84,6 +84,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
 
         def wrap_unary(fn):
             async def wrapped(request, context):
+                logs.request_id.set(getattr(request, "request_id", ""))
                 with span(context):
                     try:
                         return await fn(request, context)
@@ -102,6 +103,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 # so the span is made current again around every step, not once
                 span = tracing.start_server_span(method, context.invocation_metadata()) if traced else None
                 current = trace.set_span_in_context(span) if span is not None else otel_context.get_current()
+                logs.request_id.set(getattr(request, "request_id", ""))
                 steps = fn(request, context)
                 try:
                     while True:

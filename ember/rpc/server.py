@@ -12,7 +12,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ember.rpc import tracing
+from ember.rpc import logs, tracing
 from ember.rpc.errors import ErrorInterceptor
 
 MAX_MESSAGE_BYTES = 64 * 2**20
@@ -76,6 +76,6 @@ class Server:
 def run_service(main: Callable[[], Awaitable[None]], name: str) -> None:
     """Entry point helper: logging, tracing, uvloop, run."""
     import uvloop
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.setup(name)
     tracing.setup(name)
     uvloop.run(main())

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 
 from ember.cluster.wan import parse_routes
@@ -67,5 +66,4 @@ if __name__ == "__main__":
     args = p.parse_args()
     if args.directory and not args.site:
         p.error("--directory needs --site")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s kvstore %(levelname)s %(message)s")
     run_service(lambda: main(args), f"kvstore-{args.site}" if args.site else "kvstore")

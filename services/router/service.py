@@ -14,7 +14,7 @@ from ember.kv.block_hash import chain_hashes
 from ember.kv.directory import BlockDirectory
 from ember.model.tokenizer import Tokenizer
 from ember.placement.policy import Load, NoCapacity, Placer, Request
-from ember.rpc import metrics, tracing
+from ember.rpc import logs, metrics, tracing
 from ember.rpc.convert import sampling_from_pb, sampling_to_pb
 from ember.rpc.errors import RpcError
 from ember.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc
@@ -100,6 +100,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise invalid(f"input ({len(prompt)} tokens) + sampling.max_tokens ({params.max_tokens}) exceeds the "
                           f"context length {self.max_model_len}")
         request_id = request.request_id or uuid.uuid4().hex
+        logs.request_id.set(request_id)
         pb_params = sampling_to_pb(params)
 
         # content addresses of the prompt's full blocks, where they are cached already, and placement

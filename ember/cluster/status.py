@@ -1,0 +1,62 @@
+"""`ember status`: each service of a running local cluster, its health, load and KV usage
+(from grpc.health.v1 and the service's Prometheus /metrics)."""
+from __future__ import annotations
+
+import json
+import urllib.request
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+
+def health(address: str) -> str:
+    try:
+        with grpc.insecure_channel(address) as ch:
+            status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+    except grpc.RpcError as e:
+        return e.code().name
+
+
+def scrape(address: str | None) -> dict[str, float]:
+    if not address:
+        return {}
+    try:
+        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=2).read().decode()
+    except OSError:
+        return {}
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            try:
+                values[name] = float(value)
+            except ValueError:
+                pass
+    return values
+
+
+def rows(run_dir: Path) -> list[tuple[str, ...]]:
+    services = json.loads((run_dir / "services.json").read_text())
+    table = [("service", "address", "health", "running", "waiting", "KV used", "kvstore blocks / MB", "requests")]
+    for name, info in services.items():
+        if info["address"] is None:
+            continue
+        m = scrape(info.get("metrics"))
+
+        def get(key: str, fmt: str = "{:.0f}", m: dict = m) -> str:
+            return fmt.format(m[key]) if key in m else "-"
+        store = "-"
+        if "ember:kvstore_blocks" in m:
+            store = f"{m['ember:kvstore_blocks']:.0f} / {m.get('ember:kvstore_bytes', 0) / 2**20:.0f}"
+        table.append((name, info["address"], health(info["address"]), get("ember:num_requests_running"),
+                      get("ember:num_requests_waiting"), get("ember:kv_cache_usage_perc", "{:.1%}"), store,
+                      get("ember:e2e_request_latency_seconds_count")))
+    return table
+
+
+def render(run_dir: Path) -> str:
+    table = rows(run_dir)
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table)
