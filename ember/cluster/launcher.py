@@ -23,18 +23,35 @@ from ember.cluster.ports import free_port
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def emulated_links(config: ClusterConfig) -> tuple[list[dict], dict[str, list[str]]]:
+class _Ports:
+    """Free loopback ports, never one the config uses or one handed out already (the OS can
+    give back a just-probed port)."""
+
+    def __init__(self, config: ClusterConfig):
+        addresses = [config.router, config.router_http] + [getattr(s, f) for s in config.sites
+                                                           for f in ("prefill", "decode", "kvstore", "kvstore_data")]
+        self.taken = {int(a.rsplit(":", 1)[1]) for a in addresses if a}
+
+    def address(self) -> str:
+        while (port := free_port()) in self.taken:
+            pass
+        self.taken.add(port)
+        return f"127.0.0.1:{port}"
+
+
+def emulated_links(config: ClusterConfig, ports: _Ports | None = None) -> tuple[list[dict], dict[str, list[str]]]:
     """Relays for every inter-site hop, and the `--route` arguments of each process that uses
     them: {"router": [...], "kvstore-<site>": [...]}. Empty unless `emulate_links` is set."""
     relays, routes = [], {"router": []}
     if not config.emulate_links:
         return relays, routes
+    ports = ports or _Ports(config)
 
     def relay(src: str, dst: str, target: str, user: str) -> None:
         link = config.link(src, dst)
         if link is None or target is None:
             return
-        listen = f"127.0.0.1:{free_port()}"
+        listen = ports.address()
         relays.append({"listen": listen, "target": target, "rtt_ms": link.rtt_ms, "gbps": link.bandwidth_gbps})
         routes.setdefault(user, []).append(f"{target}={listen}")
     for site in config.sites:
@@ -52,7 +69,8 @@ def service_commands(config: ClusterConfig, config_path: Path, run_dir: Path | N
     """name -> (argv, address) for every process of the cluster (address None: not gRPC)."""
     py, cfg = sys.executable, str(config_path)
     commands = {}
-    relays, routes = emulated_links(config)
+    ports = _Ports(config)
+    relays, routes = emulated_links(config, ports)
     if relays:
         spec = (run_dir or config_path.parent) / "links.json"
         spec.write_text(json.dumps(relays, indent=1))
@@ -79,7 +97,7 @@ def service_commands(config: ClusterConfig, config_path: Path, run_dir: Path | N
     commands["router"] = (router, config.router)
     for argv, address in commands.values():
         if address is not None:  # every gRPC service also serves Prometheus /metrics
-            argv += ["--metrics-listen", f"127.0.0.1:{free_port()}"]
+            argv += ["--metrics-listen", ports.address()]
     return commands
 
 

