@@ -74,3 +74,30 @@ def test_bad_requests_are_openai_errors(api):
     assert "not served here" in str(e.value)
     with pytest.raises(openai.BadRequestError):
         api.completions.create(model="", prompt="x", max_tokens=9000)  # past the context length
+
+
+def test_tools_reach_the_chat_template(model_path):
+    """A template that renders tools gets them from the OpenAI request (SmolLM2's own template
+    has no tool section, so this checks the plumbing with one that does)."""
+    import json
+
+    from ember.model.files import model_folder
+    from ember.model.tokenizer import Tokenizer
+    from ember.v1 import router_pb2
+    from services.router.service import RouterService
+    base = Tokenizer.from_folder(model_folder(model_path))
+    template = "{% for t in tools or [] %}TOOL:{{ t.function.name }};{% endfor %}{{ messages[-1].content }}"
+    tokenizer = Tokenizer(base.backend, template, bos_token=base.bos_token, eos_token=base.eos_token)
+    service = RouterService.__new__(RouterService)
+    service.tokenizer, service.vocab_size = tokenizer, base.vocab_size
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    request = router_pb2.GenerateRequest(chat=router_pb2.ChatInput(
+        messages=[router_pb2.ChatMessage(role="user", content="Rain?")], tools_json=json.dumps(tools)))
+    assert tokenizer.decode(service._prompt(request)) == "TOOL:get_weather;Rain?"
+
+
+def test_a_tools_request_is_accepted(api):
+    out = api.chat.completions.create(model="", messages=[{"role": "user", "content": "Weather in Paris?"}],
+                                      max_tokens=4, tools=[{"type": "function", "function": {
+                                          "name": "get_weather", "parameters": {"type": "object", "properties": {}}}}])
+    assert out.choices[0].finish_reason in ("stop", "length")
