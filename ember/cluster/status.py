@@ -50,9 +50,12 @@ def rows(run_dir: Path) -> list[tuple[str, ...]]:
         store = "-"
         if "ember:kvstore_blocks" in m:
             store = f"{m['ember:kvstore_blocks']:.0f} / {m.get('ember:kvstore_bytes', 0) / 2**20:.0f}"
-        table.append((name, info["address"], health(info["address"]), get("ember:num_requests_running"),
-                      get("ember:num_requests_waiting"), get("ember:kv_cache_usage_perc", "{:.1%}"), store,
-                      get("ember:e2e_request_latency_seconds_count")))
+        engine = name.startswith(("prefill", "decode"))  # the others register these gauges but run no engine
+        table.append((name, info["address"], health(info["address"]),
+                      get("ember:num_requests_running") if engine else "-",
+                      get("ember:num_requests_waiting") if engine else "-",
+                      get("ember:kv_cache_usage_perc", "{:.1%}") if engine else "-", store,
+                      get("ember:e2e_request_latency_seconds_count") if name == "router" else "-"))
     return table
 
 
