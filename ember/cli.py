@@ -123,6 +123,9 @@ def cmd_bench(args) -> int:
     if args.what == "kv":
         from ember.bench.kv_bench import main as bench_main
         return bench_main(args)
+    if args.what == "agentic":
+        from ember.bench.agentic_bench import main as bench_main
+        return bench_main(args)
     if args.what == "simulate":
         from ember.bench.sim_bench import main as bench_main
         return bench_main(args)
@@ -165,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.set_defaults(func=cmd_fetch_model)
 
     b = sub.add_parser("bench", help="benchmarks that write JSON")
-    b.add_argument("what", choices=["engine", "disagg", "kv", "placement", "simulate"])
+    b.add_argument("what", choices=["engine", "disagg", "kv", "placement", "simulate", "agentic"])
     b.add_argument("--output", default=None, help="JSON path (default bench-out/WHAT.json)")
     b.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     _add_engine_args(b)
