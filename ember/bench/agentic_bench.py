@@ -114,7 +114,10 @@ class LlamaServer:
 
     def __init__(self, url: str):
         import aiohttp
-        self.url, self.session = url, aiohttp.ClientSession()
+        # a fresh connection per request: llama-server closes a streamed response's connection
+        self.url = url
+        self.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                             timeout=aiohttp.ClientTimeout(total=900))
 
     async def turn(self, s: Session, max_tokens: int) -> tuple[str, Record]:
         body = {"messages": s.messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
@@ -186,13 +189,14 @@ def summarize(records: list[Record], wall_s: float) -> dict:
                         for r in records]}
 
 
-def start_llama_server(model: str, slots: int, threads: int, context: int) -> tuple[subprocess.Popen, str]:
+def start_llama_server(model: str, slots: int, threads: int, context: int, log: Path) -> tuple[subprocess.Popen, str]:
     from ember.cluster.ports import free_port
     port = free_port()
-    proc = subprocess.Popen([str(LLAMA_SERVER), "-m", model, "-np", str(slots), "-t", str(threads),
-                             "-c", str(context * slots), "--port", str(port), "--host", "127.0.0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            env=dict(os.environ, LD_LIBRARY_PATH=str(LLAMA_SERVER.parent)))
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([str(LLAMA_SERVER), "-m", model, "-np", str(slots), "-t", str(threads),
+                                 "-c", str(context * slots), "--port", str(port), "--host", "127.0.0.1"],
+                                stdout=out, stderr=subprocess.STDOUT,
+                                env=dict(os.environ, LD_LIBRARY_PATH=str(LLAMA_SERVER.parent)))
     import urllib.request
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -222,7 +226,9 @@ def main(args) -> int:
             await system.close()
 
     if LLAMA_SERVER.exists():
-        proc, url = start_llama_server(args.model, num_sessions, threads, 4096)
+        log = Path(args.output).with_suffix(".llama-server.log")
+        log.parent.mkdir(parents=True, exist_ok=True)
+        proc, url = start_llama_server(args.model, num_sessions, threads, 4096, log)
         try:
             asyncio.run(measure(lambda: LlamaServer(url)))
         finally:
