@@ -112,27 +112,14 @@ def cmd_status(args) -> int:
     return 0
 
 
+BENCHES = {"engine": "engine_bench", "disagg": "disagg_bench", "kv": "kv_bench", "agentic": "agentic_bench",
+           "simulate": "sim_bench", "placement": "placement_bench"}
+
+
 def cmd_bench(args) -> int:
+    import importlib
     args.output = args.output or f"bench-out/{args.what}.json"
-    if args.what == "engine":
-        from ember.bench.engine_bench import main as bench_main
-        return bench_main(args)
-    if args.what == "disagg":
-        from ember.bench.disagg_bench import main as bench_main
-        return bench_main(args)
-    if args.what == "kv":
-        from ember.bench.kv_bench import main as bench_main
-        return bench_main(args)
-    if args.what == "agentic":
-        from ember.bench.agentic_bench import main as bench_main
-        return bench_main(args)
-    if args.what == "simulate":
-        from ember.bench.sim_bench import main as bench_main
-        return bench_main(args)
-    if args.what == "placement":
-        from ember.bench.placement_bench import main as bench_main
-        return bench_main(args)
-    raise SystemExit(f"unknown benchmark {args.what!r}")
+    return importlib.import_module(f"ember.bench.{BENCHES[args.what]}").main(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.set_defaults(func=cmd_fetch_model)
 
     b = sub.add_parser("bench", help="benchmarks that write JSON")
-    b.add_argument("what", choices=["engine", "disagg", "kv", "placement", "simulate", "agentic"])
+    b.add_argument("what", choices=list(BENCHES))
     b.add_argument("--output", default=None, help="JSON path (default bench-out/WHAT.json)")
     b.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     _add_engine_args(b)

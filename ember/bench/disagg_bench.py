@@ -4,16 +4,15 @@ prompts; plus kvstore-to-kvstore pull throughput against raw loopback TCP."""
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import grpc
 
 from ember.bench.engine_bench import random_prompts
+from ember.bench.kv_bench import raw_tcp_GBps
 from ember.bench.measure import progress, write_result
 from ember.client import RouterClient
 from ember.cluster.launcher import down, up
@@ -61,32 +60,6 @@ def kv_pull_throughput(addr: dict, num_blocks: int, template: wire.FrameHeader) 
             "GiBps": pulled.bytes_pulled / pulled.seconds / 2**30}
 
 
-def raw_tcp_throughput(total_bytes: int, chunk_bytes: int = 1 << 20) -> float:
-    """Loopback TCP ceiling measured now (GiB/s), one sender thread, one receiver."""
-    server = socket.create_server(("127.0.0.1", 0))
-    port = server.getsockname()[1]
-    payload = os.urandom(chunk_bytes)
-
-    def send():
-        with socket.create_connection(("127.0.0.1", port)) as s:
-            for _ in range(total_bytes // chunk_bytes):
-                s.sendall(payload)
-    sender = threading.Thread(target=send)
-    sender.start()
-    conn, _ = server.accept()
-    buf, got, start = bytearray(chunk_bytes), 0, time.perf_counter()
-    while got < total_bytes // chunk_bytes * chunk_bytes:
-        n = conn.recv_into(buf)
-        if n == 0:
-            break
-        got += n
-    seconds = time.perf_counter() - start
-    sender.join()
-    conn.close()
-    server.close()
-    return got / seconds / 2**30
-
-
 def main(args) -> int:
     from ember.engine.config import EngineConfig
     from ember.engine.engine import LLMEngine
@@ -118,7 +91,8 @@ def main(args) -> int:
             block_bytes = engine.layout.block_bytes
             progress("kvstore -> kvstore pull throughput")
             result["kv_pull"] = kv_pull_throughput(addr, 256, engine.frame_template)
-            result["raw_tcp_GiBps"] = raw_tcp_throughput(256 * block_bytes)
+            # kernel-default buffers, as this figure has always been measured
+            result["raw_tcp_GiBps"] = raw_tcp_GBps(256 * block_bytes, receive_buffer=None) * 1e9 / 2**30
         finally:
             down(run_dir)
     ratios = {n: r["disaggregated"]["ttft_s"] / r["colocated"]["ttft_s"] for n, r in result["runs"].items()}

@@ -89,12 +89,15 @@ def weight_chunks(model, chunk_bytes: int = 1 << 20) -> list[bytes]:
     return [data[i:i + chunk_bytes] for i in range(0, len(data) - len(data) % 2, chunk_bytes)]
 
 
-def raw_tcp_GBps(total_bytes: int, chunk_bytes: int = 1 << 20, arena: bool = False) -> float:
+def raw_tcp_GBps(total_bytes: int, chunk_bytes: int = 1 << 20, arena: bool = False,
+                 receive_buffer: int | None = 4 * 2**20) -> float:
     """Loopback TCP measured now, one sender thread, one receiver (GB/s), with the data plane's
-    4 MiB receive buffer. Hot 1 MiB buffers on both ends (the ceiling), or `arena`: from one
-    populated memfd mapping into another, the memory kvstores really move bytes between."""
+    4 MiB receive buffer (None: the kernel's default). Hot 1 MiB buffers on both ends (the
+    ceiling), or `arena`: from one populated memfd mapping into another, the memory kvstores
+    really move bytes between."""
     server = socket.create_server(("127.0.0.1", 0))
-    server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * 2**20)  # inherited by the accepted socket
+    if receive_buffer:
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, receive_buffer)  # inherited by the accepted socket
     port = server.getsockname()[1]
     count = total_bytes // chunk_bytes
     src = _memfd_view(count * chunk_bytes) if arena else None

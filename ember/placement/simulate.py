@@ -15,7 +15,7 @@ import heapq
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
@@ -51,7 +51,7 @@ class Report:
     remote_prefill_fraction: float
 
     def as_dict(self) -> dict:
-        return self.__dict__ | {}
+        return asdict(self)
 
 
 def _percentiles(values: np.ndarray) -> dict[str, float]:

@@ -50,8 +50,9 @@ class PeerFetcher:
         return None
 
     async def fetch(self, source: str, hashes: list[bytes], timeout: float | None, reserve: Callable,
-                    on_wire: Callable[[int], None]) -> AsyncIterator[tuple[bytes, memoryview]]:
-        """Store blocks from `source`, yielding (hash, frame) as each lands."""
+                    on_wire: Callable[[int], None], codec_id: int) -> AsyncIterator[tuple[bytes, memoryview]]:
+        """Store blocks from `source`, yielding (hash, frame) as each lands; `codec_id` is
+        asked of the peer's data plane (codec_for)."""
         peer = self.peer(source)
         if peer.data_address is None:
             stats = await kvstore_pb2_grpc.KVStoreStub(peer.channel).Stats(kvstore_pb2.StatsRequest(), timeout=timeout)
@@ -59,9 +60,8 @@ class PeerFetcher:
         if not peer.data_address:
             async for block_hash, frame in bulk.fetch(peer.channel, hashes, timeout):
                 on_wire(len(frame))
-                yield block_hash, self._file(block_hash, frame, reserve)
+                yield block_hash, file_frame(self.store, reserve, block_hash, frame)
             return
-        codec_id = self.codec_for(peer)
         start, raw_bytes, wire_bytes = time.perf_counter(), 0, 0
 
         def counted(n: int) -> None:
@@ -78,16 +78,18 @@ class PeerFetcher:
             seen = raw_bytes / (time.perf_counter() - start) / 1e9
             peer.link_GBps = seen if peer.link_GBps is None else 0.7 * peer.link_GBps + 0.3 * seen
 
-    def _file(self, block_hash: bytes, frame, reserve: Callable) -> memoryview:
-        """Verify a frame that came over gRPC and file it raw."""
-        header = wire.parse_header(frame)
-        if header.block_hash != block_hash:
-            raise wire.LayoutMismatch(f"frame for block {block_hash.hex()} carries hash {header.block_hash.hex()}")
-        slot, view = reserve(wire.frame_bytes(header.raw_len))
-        try:
-            wire.write_raw(frame, view)
-        except BaseException:
-            self.store.abandon(slot)
-            raise
-        self.store.commit(block_hash, slot)
-        return view
+
+def file_frame(store: BlockStore, reserve: Callable, block_hash: bytes, frame) -> memoryview:
+    """Verify a whole frame (any codec) filed as `block_hash` and store it raw; a damaged or
+    foreign one raises wire.FrameError and leaves no slot behind. Returns the stored frame."""
+    header = wire.parse_header(frame)
+    if header.block_hash != block_hash:
+        raise wire.LayoutMismatch(f"frame filed as {block_hash.hex()} carries hash {header.block_hash.hex()}")
+    slot, view = reserve(wire.frame_bytes(header.raw_len))
+    try:
+        wire.write_raw(frame, view)
+    except BaseException:
+        store.abandon(slot)
+        raise
+    store.commit(block_hash, slot)
+    return view

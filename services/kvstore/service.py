@@ -6,12 +6,12 @@ import time
 
 import grpc
 
-from ember.kv import codec, wire
+from ember.kv import codec
 from ember.kv.chunks import Assembler, split
 from ember.rpc import metrics, tracing
 from ember.rpc.errors import RpcError
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
-from services.kvstore.pull import PeerFetcher
+from services.kvstore.pull import PeerFetcher, file_frame
 from services.kvstore.store import BlockStore, LeaseError
 
 
@@ -53,17 +53,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         if block_hash in self.store:
             self.store.get(block_hash)
             return False
-        header = wire.parse_header(frame)
-        if header.block_hash != block_hash:
-            raise wire.LayoutMismatch(f"frame filed as {block_hash.hex()} carries hash {header.block_hash.hex()}")
-        slot, view = self._reserve(wire.frame_bytes(header.raw_len))
-        try:
-            wire.write_raw(frame, view)
-        except BaseException:
-            self.store.abandon(slot)
-            raise
+        view = file_frame(self.store, self._reserve, block_hash, frame)
         self.store.stats.bytes_put += len(view)
-        return self.store.commit(block_hash, slot)
+        return True
 
     def _reserve(self, num_bytes: int) -> tuple[int, memoryview]:
         try:
@@ -96,9 +88,10 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             if missing:
                 if not request.source:
                     raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "source is required to pull missing blocks")
-                codec_name = codec.NAMES[self.fetcher.codec_for(self.fetcher.peer(request.source))]
+                codec_id = self.fetcher.codec_for(self.fetcher.peer(request.source))
+                codec_name = codec.NAMES[codec_id]
                 pulled_blocks, pulled_bytes, wire_bytes = await self._pull(request.source, missing, lease,
-                                                                           context.time_remaining())
+                                                                           context.time_remaining(), codec_id)
             if waiting and not all(await asyncio.gather(*waiting)):
                 raise RpcError(grpc.StatusCode.UNAVAILABLE, "a concurrent pull of the same blocks failed")
             if pulled_bytes:
@@ -120,7 +113,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
                 self.store.release_lease(lease.lease_id)
             raise
 
-    async def _pull(self, source: str, missing: list[bytes], lease, timeout: float | None) -> tuple[int, int, int]:
+    async def _pull(self, source: str, missing: list[bytes], lease, timeout: float | None,
+                    codec_id: int) -> tuple[int, int, int]:
         loop = asyncio.get_running_loop()
         futures = {h: loop.create_future() for h in missing}
         self._inflight.update(futures)
@@ -130,7 +124,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             nonlocal wire_bytes
             wire_bytes += n
         try:
-            async for block_hash, frame in self.fetcher.fetch(source, missing, timeout, self._reserve, on_wire):
+            async for block_hash, frame in self.fetcher.fetch(source, missing, timeout, self._reserve, on_wire,
+                                                                  codec_id):
                 blocks += 1
                 raw_bytes += len(frame)
                 if lease is not None:
