@@ -13,9 +13,16 @@ DEFAULT_CLUSTER_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "loca
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from ember.model.fetch import DEFAULT_MODEL_PATH
     p.add_argument("--model", default=str(DEFAULT_MODEL_PATH), help="GGUF file or HF model folder")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--weights", default="dense", choices=["dense", "q4"],
+                   help="q4: serve the GGUF's Q4_1 codes on int4 kernels (bf16 activations; ~3x faster decode)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="serving dtype (default: float32; bfloat16 with --weights q4)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = one per core)")
     p.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool size in MiB")
+
+
+def engine_dtype(args) -> str:
+    return args.dtype or ("bfloat16" if args.weights == "q4" else "float32")
 
 
 def cmd_generate(args) -> int:
@@ -32,8 +39,12 @@ def cmd_generate(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    engine = LLMEngine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
-                                    kv_cache_bytes=args.kv_cache_mb * 2**20))
+    try:
+        engine = LLMEngine(EngineConfig(model=args.model, dtype=engine_dtype(args), weights=args.weights,
+                                        num_threads=args.threads, kv_cache_bytes=args.kv_cache_mb * 2**20))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     prompt = args.prompt
     if args.chat:
         prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])

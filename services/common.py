@@ -22,7 +22,8 @@ def build_engine(config: ClusterConfig):
     from ember.engine.engine import LLMEngine
     from ember.serving.async_engine import AsyncEngine
     e = config.engine
-    engine = LLMEngine(EngineConfig(model=str(config.model_path(REPO_ROOT)), dtype=e.dtype, block_size=e.block_size,
+    engine = LLMEngine(EngineConfig(model=str(config.model_path(REPO_ROOT)), dtype=e.dtype, weights=e.weights,
+                                    block_size=e.block_size,
                                     kv_cache_bytes=e.kv_cache_mb * 2**20, num_threads=e.threads,
                                     max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens))
     return AsyncEngine(engine)

@@ -11,6 +11,8 @@ from ember.model.fetch import DEFAULT_MODEL_PATH
 class EngineConfig:
     model: str = str(DEFAULT_MODEL_PATH)
     dtype: str = "float32"  # serving dtype of weights, activations and KV
+    # "dense": weights in `dtype`; "q4": a GGUF's Q4_1 codes served by int4 kernels (needs bfloat16)
+    weights: str = "dense"
     block_size: int = 16
     kv_cache_bytes: int = 512 * 2**20
     num_kv_blocks: int | None = None  # overrides kv_cache_bytes when set
@@ -25,6 +27,10 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.weights not in ("dense", "q4"):
+            raise ValueError(f"weights must be 'dense' or 'q4', got {self.weights!r}")
+        if self.weights == "q4" and self.dtype != "bfloat16":
+            raise ValueError("weights='q4' needs dtype='bfloat16' (torch's int4 CPU kernels take bf16 activations)")
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
 

@@ -60,7 +60,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None):
         torch.set_num_threads(config.threads)
         self.config = config
-        self.loaded = loaded or load_model(config.model, config.dtype)
+        self.loaded = loaded or load_model(config.model, config.dtype, config.weights)
         self.tokenizer = self.loaded.tokenizer
         args = self.loaded.args
         self.max_model_len = min(config.max_model_len or args.max_position, args.max_position)

@@ -34,3 +34,8 @@ def folder_fingerprint(folder: Path) -> str:
         digest.update(path.name.encode())
         digest.update(sha256_file(path).encode())
     return "sha256:" + digest.hexdigest()
+
+
+def weights_fingerprint(fingerprint: str, weights: str) -> str:
+    """The fingerprint KV blocks are hashed under: int4 serving ("q4") computes different KV."""
+    return fingerprint if weights == "dense" else f"{fingerprint}+{weights}"

@@ -179,6 +179,10 @@ class LlamaModel(nn.Module):
         cos, sin = rope_cos_sin(args.head_dim, args.rope_theta, args.max_position)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # A kernel module may take over whole layers for steps of at most `small_step_rows`
+        # tokens (decode): small_step(layer, x, cos, sin, attend, layer_idx) -> x.
+        self.small_step = None
+        self.small_step_rows = 0
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """input_ids, positions: [num_tokens] (all sequences of the step, flattened).
@@ -188,8 +192,12 @@ class LlamaModel(nn.Module):
         """
         x = self.embed_tokens(input_ids)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        small_step = self.small_step if x.shape[0] <= self.small_step_rows else None
         for layer_idx, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attend, layer_idx)
+            if small_step is not None:
+                x = small_step(layer, x, cos, sin, attend, layer_idx)
+            else:
+                x = layer(x, cos, sin, attend, layer_idx)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ember.model.files import cache_dir_for, folder_fingerprint, sha256_file
+from ember.model.files import cache_dir_for, folder_fingerprint, sha256_file, weights_fingerprint
 from ember.model.gguf_convert import CONVERTER_VERSION, convert_gguf
 from ember.model.llama import LlamaModel, ModelArgs
 from ember.model.safetensors_io import read_safetensors
@@ -26,6 +26,7 @@ class LoadedModel:
     fingerprint: str  # content hash of the weights; part of every KV block hash
     name: str
     weights_bytes: int  # of the checkpoint in the serving dtype
+    weights: str = "dense"  # "dense" (the serving dtype) or "q4" (the GGUF's Q4_1 codes as int4)
 
 
 def ensure_gguf_cache(gguf_path: Path) -> Path:
@@ -46,12 +47,24 @@ def ensure_gguf_cache(gguf_path: Path) -> Path:
     return cache
 
 
-def load_model(path: str | Path, dtype: str = "float32") -> LoadedModel:
+WEIGHTS = ("dense", "q4")
+
+
+def check_weights(path: str | Path, dtype: str, weights: str) -> None:
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if weights == "q4" and (dtype != "bfloat16" or Path(path).suffix != ".gguf"):
+        raise ValueError("weights='q4' serves a GGUF's Q4_1 codes and needs dtype='bfloat16' "
+                         f"(torch's int4 CPU kernels take bf16 activations); got dtype={dtype!r}, model={str(path)!r}")
+
+
+def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense") -> LoadedModel:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path} (run `make setup` to fetch the default model)")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    check_weights(path, dtype, weights)
     folder = ensure_gguf_cache(path) if path.suffix == ".gguf" else path
     args = ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
     torch_dtype = DTYPES[dtype]
@@ -64,8 +77,38 @@ def load_model(path: str | Path, dtype: str = "float32") -> LoadedModel:
         model = LlamaModel(args)
     model.load_hf_state_dict(tensors)
     model.eval().requires_grad_(False)
-    return LoadedModel(args, model, Tokenizer.from_folder(folder), folder_fingerprint(folder), path.stem,
-                       weights_bytes)
+    if weights == "q4":
+        weights_bytes = _use_int4(model, path)
+    return LoadedModel(args, model, Tokenizer.from_folder(folder),
+                       weights_fingerprint(folder_fingerprint(folder), weights), path.stem, weights_bytes, weights)
+
+
+def _use_int4(model: LlamaModel, gguf_path: Path) -> int:
+    """Swap every layer linear for an Int4Linear over the GGUF's own Q4_1 codes; returns weight bytes."""
+    from ember.kernels.cpu_int4 import INT4_MAX_ROWS, Int4Linear, Int4Logits, decode_layer, int4_available
+    from ember.model.gguf_quant import Q4Weight, read_q4_1
+    if not int4_available():
+        raise RuntimeError("weights='q4' needs torch's int4 CPU kernels (aten._weight_int4pack_mm_for_cpu) and oneDNN")
+    q4 = read_q4_1(gguf_path)
+    fused = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+             "mlp.down_proj": ("mlp.down_proj",)}
+    read = 0
+    for i, layer in enumerate(model.layers):
+        for target, sources in fused.items():
+            names = [f"model.layers.{i}.{s}.weight" for s in sources]
+            missing = [n for n in names if n not in q4]
+            if missing:
+                raise ValueError(f"{gguf_path.name} has no Q4_1 tensor for {missing[0]}: weights='q4' needs Q4_1 layers")
+            w = Q4Weight.concat([q4.pop(n) for n in names])
+            parent, attr = target.split(".")
+            setattr(getattr(layer, parent), attr, Int4Linear(w.codes, w.scale, w.low))
+            read += w.codes.size // 2 + w.scale.size * 4  # int4 codes + bf16 scale and zero per group
+    output = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    model.lm_head = Int4Logits(output)
+    model.small_step, model.small_step_rows = decode_layer, INT4_MAX_ROWS
+    rest = sum(p.numel() * p.element_size() for n, p in model.named_parameters())
+    return read + rest
 
 
 @contextmanager

@@ -113,12 +113,19 @@ class Policy(Strict):
 
 
 class EngineSettings(Strict):
-    dtype: str = "float32"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    weights: Literal["dense", "q4"] = "dense"  # q4: the GGUF's Q4_1 codes on int4 kernels (needs bfloat16)
     block_size: int = Field(16, gt=0)
     kv_cache_mb: int = Field(256, gt=0)
     threads: int = Field(2, ge=0)
     max_num_seqs: int = Field(64, gt=0)
     max_num_batched_tokens: int = Field(1024, gt=0)
+
+    @model_validator(mode="after")
+    def _q4_needs_bf16(self):
+        if self.weights == "q4" and self.dtype != "bfloat16":
+            raise ValueError("engine.weights 'q4' needs engine.dtype 'bfloat16' (torch's int4 CPU kernels take bf16)")
+        return self
 
 
 class ClusterConfig(Strict):
