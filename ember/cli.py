@@ -13,8 +13,9 @@ DEFAULT_CLUSTER_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "loca
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from ember.model.fetch import DEFAULT_MODEL_PATH
     p.add_argument("--model", default=str(DEFAULT_MODEL_PATH), help="GGUF file or HF model folder")
-    p.add_argument("--weights", default="dense", choices=["dense", "q4"],
-                   help="q4: serve the GGUF's Q4_1 codes on int4 kernels (bf16 activations; ~3x faster decode)")
+    p.add_argument("--weights", default=None, choices=["dense", "q4"],
+                   help="q4: serve the GGUF's Q4_1 codes on int4 kernels (bf16 activations; ~3x faster decode); "
+                        "default dense (q4 for `bench agentic`, as llama.cpp serves the same Q4_1 codes)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
                    help="serving dtype (default: float32; bfloat16 with --weights q4)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = one per core)")
@@ -23,6 +24,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def engine_dtype(args) -> str:
     return args.dtype or ("bfloat16" if args.weights == "q4" else "float32")
+
+
+def engine_weights(args, default: str = "dense") -> str:
+    return args.weights or default
 
 
 def cmd_generate(args) -> int:
@@ -40,7 +45,7 @@ def cmd_generate(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        engine = LLMEngine(EngineConfig(model=args.model, dtype=engine_dtype(args), weights=args.weights,
+        engine = LLMEngine(EngineConfig(model=args.model, dtype=engine_dtype(args), weights=engine_weights(args),
                                         num_threads=args.threads, kv_cache_bytes=args.kv_cache_mb * 2**20))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -169,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("what", choices=list(BENCHES))
     b.add_argument("--output", default=None, help="JSON path (default bench-out/WHAT.json)")
     b.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    b.add_argument("--systems", help="agentic: comma-separated subset of llama-server,transformers,"
+                                     "ember-colocated,ember-disagg (default: all)")
+    b.add_argument("--arrival-rate", type=float, default=0.0,
+                   help="agentic: sessions arrive as a Poisson process of this rate (1/s); 0 = all at once")
+    b.add_argument("--slo-ttft", type=float, default=5.0, help="agentic: TTFT SLO (s) for goodput")
+    b.add_argument("--slo-tpot", type=float, default=0.2, help="agentic: time-per-output-token SLO (s) for goodput")
     _add_engine_args(b)
     b.set_defaults(func=cmd_bench)
 
