@@ -86,8 +86,9 @@ class EmberCluster:
                 timer.piece()
             text.append(msg.text)
             if msg.finished:
-                timer.record.output_tokens = msg.usage.completion_tokens
-                timer.record.prompt_tokens, timer.record.cached_tokens = msg.usage.prompt_tokens, msg.usage.cached_tokens
+                usage = msg.usage
+                timer.record.output_tokens = usage.completion_tokens
+                timer.record.prompt_tokens, timer.record.cached_tokens = usage.prompt_tokens, usage.cached_tokens
         return "".join(text), timer.done()
 
     async def kv_bytes_moved(self) -> int:
@@ -156,8 +157,7 @@ class Transformers:
                 out_ids.append(token)
                 timer.piece()
                 if i + 1 < max_tokens:
-                    out = self.model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values,
-                                     use_cache=True)
+                    out = self.model(input_ids=torch.tensor([[token]]), cache=out.cache, use_cache=True)
         return out_ids
 
     async def turn(self, s: Session, max_tokens: int) -> tuple[str, Record]:

@@ -73,3 +73,39 @@ def compare_to_reference(reference: LoadedModel, candidates: dict[str, LoadedMod
     return {name: {"positions": t["positions"], "top1_agreement": t["top1_agree"] / t["positions"],
                    "mean_kl": t["kl_sum"] / t["positions"], "max_abs_logit_diff": t["max_abs_logit_diff"],
                    "greedy_match_tokens": t["greedy_match_tokens"]} for name, t in totals.items()}
+
+
+QUALITY_PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Once upon a time, in a small village by the sea,",
+    "Q: What is 17 times 3?\nA:",
+    "<|im_start|>user\nExplain in two sentences why the sky is blue.<|im_end|>\n<|im_start|>assistant\n",
+    "<|im_start|>user\nList three uses of a KV cache in LLM serving.<|im_end|>\n<|im_start|>assistant\n",
+]
+
+
+def main(args) -> int:
+    """`ember bench quality`: bf16 dense and q4 against the fp32 reference, teacher-forced."""
+    import torch
+
+    from ember.bench.measure import progress, write_result
+    from ember.kernels import optimize
+    from ember.model.loader import load_model
+    torch.set_num_threads(args.threads or 2)
+    progress("loading fp32 (reference), bf16 and q4")
+    models = {}
+    for name, dtype, weights in (("fp32", "float32", "dense"), ("bf16", "bfloat16", "dense"),
+                                 ("q4", "bfloat16", "q4")):
+        models[name] = load_model(args.model, dtype, weights)
+        optimize(models[name].model)
+    reference = models.pop("fp32")
+    prompts = [reference.tokenizer.encode(p) for p in QUALITY_PROMPTS[:2 if args.quick else None]]
+    new_tokens = 8 if args.quick else 48
+    result = {"model": args.model, "prompts": len(prompts), "new_tokens": new_tokens,
+              "modes": compare_to_reference(reference, models, prompts, new_tokens)}
+    q4 = result["modes"]["q4"]
+    result["targets"] = {"q4 top-1 agreement with fp32": {"value": round(q4["top1_agreement"], 4),
+                                                          "mean_kl": round(q4["mean_kl"], 5)}}
+    write_result(result, args.output)
+    return 0

@@ -37,7 +37,8 @@ class Int4Linear(nn.Module):
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes.astype(np.int32)), 1)
         scale_t, low_t = torch.from_numpy(scale), torch.from_numpy(low)
         # torch's int4 kernels are zero-point-centred: w = (q - 8) * scale + zero, so zero = m + 8 d
-        self.scales_and_zeros = torch.stack([scale_t.T, (low_t + 8 * scale_t).T], dim=-1).to(torch.bfloat16).contiguous()
+        zero_t = low_t + 8 * scale_t
+        self.scales_and_zeros = torch.stack([scale_t.T, zero_t.T], dim=-1).to(torch.bfloat16).contiguous()
         dense = (torch.from_numpy(codes).view(self.out_features, -1, group_size).float() * scale_t[..., None]
                  + low_t[..., None]).view(self.out_features, self.in_features)
         self.dense = PackedLinear(dense.to(torch.bfloat16))
@@ -78,7 +79,8 @@ class Int4Logits(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] != 1:
             return self.dense(x).float()
-        logits = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size, self.scales_and_zeros).float()
+        logits = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size,
+                                                            self.scales_and_zeros).float()
         nominees = logits.topk(self.candidates, dim=-1).indices[0]
         exact = x.float() @ self.weight[nominees].float().T
         return logits.index_copy_(1, nominees, exact)

@@ -99,7 +99,8 @@ def _use_int4(model: LlamaModel, gguf_path: Path) -> int:
             names = [f"model.layers.{i}.{s}.weight" for s in sources]
             missing = [n for n in names if n not in q4]
             if missing:
-                raise ValueError(f"{gguf_path.name} has no Q4_1 tensor for {missing[0]}: weights='q4' needs Q4_1 layers")
+                raise ValueError(f"{gguf_path.name} has no Q4_1 tensor for {missing[0]}: "
+                                 "weights='q4' needs Q4_1 layers")
             w = Q4Weight.concat([q4.pop(n) for n in names])
             parent, attr = target.split(".")
             setattr(getattr(layer, parent), attr, Int4Linear(w.codes, w.scale, w.low))

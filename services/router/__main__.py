@@ -32,7 +32,8 @@ async def main(args) -> None:
         max_model_len=hf_config["max_position_embeddings"], vocab_size=hf_config["vocab_size"],
         placer=Placer(config), stubs=SiteStubs(config, parse_routes(args.route)),
         block_size=config.engine.block_size, root_hash=root_hash(KVLayout(
-            weights_fingerprint(folder_fingerprint(folder), config.engine.weights), config.engine.dtype, config.engine.block_size, hf_config["num_hidden_layers"],
+            weights_fingerprint(folder_fingerprint(folder), config.engine.weights), config.engine.dtype,
+            config.engine.block_size, hf_config["num_hidden_layers"],
             hf_config.get("num_key_value_heads", hf_config["num_attention_heads"]), hf_config.get("head_dim") or
             hf_config["hidden_size"] // hf_config["num_attention_heads"])),
         directory=directory)
