@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import os
 import random
 import tempfile
 import time
@@ -88,6 +89,8 @@ def main(args) -> int:
     slo, arrival = (args.slo_ttft, args.slo_tpot), args.arrival_rate
     out = Path(args.output)
     result: dict = {"model": Path(args.model).name, "threads": threads, "ember_weights": weights,
+                    # this process (transformers, ember-colocated); the cluster's processes are always PASSIVE
+                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "libgomp default (brief spin)"),
                     "sessions": plan["replay"]["num_sessions"], "turns": plan["replay"]["turns"],
                     "phases": plan, "arrival_rate": arrival, "systems": wanted,
                     "replay": {}, "streams16": {}, "single_stream": {}}

@@ -132,6 +132,7 @@ def up(config_path: str | Path, run_dir: str | Path, timeout_s: float = 300) -> 
     if (run_dir / "pids.json").exists():
         down(run_dir)
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("EMBER_OMP_PASSIVE", None)  # the cluster's processes share cores: they always wait passively
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.setdefault("EMBER_LOG_FORMAT", "json")  # one JSON object per line, with request ids
     if not env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
