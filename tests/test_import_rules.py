@@ -47,3 +47,17 @@ def test_core_never_touches_generated_stubs_or_grpc():
         for path in (ROOT / "ember" / package).rglob("*.py"):
             bad = [m for m in imports_of(path) if m.startswith(("ember.v1", "grpc"))]
             assert bad == [], f"{path} imports {bad}"
+
+
+def test_omp_wait_policy_passive_unless_opted_out():
+    """Ember processes wait passively (co-located processes would collapse each other); a process
+    alone on its cores can keep libgomp's spin with EMBER_OMP_PASSIVE=0."""
+    import os
+    code = "import os, ember; print(os.environ.get('OMP_WAIT_POLICY'))"
+    base = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "EMBER_OMP_PASSIVE")}
+    def policy(**extra) -> str:
+        return subprocess.run([sys.executable, "-c", code], env=base | extra, capture_output=True, text=True,
+                              check=True, timeout=60).stdout.strip()
+    assert policy() == "PASSIVE"
+    assert policy(EMBER_OMP_PASSIVE="0") == "None"
+    assert policy(OMP_WAIT_POLICY="ACTIVE") == "ACTIVE"
