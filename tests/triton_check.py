@@ -20,7 +20,7 @@ def main(device: str) -> None:
     lens = torch.tensor([40, 9, 64])
     q = torch.randn(3, H, D)
     want = PagedAttention(cache, torch.empty(0, dtype=torch.long), [], DecodeBatch(torch.arange(3), tables, lens),
-                          D ** -0.5)._decode(q, *cache.layer(0))
+                          D ** -0.5)._decode(q, 0)
     k, v = (t.to(device) for t in cache.layer(0))
     got = paged_decode_attention(q.to(device), k, v, tables.to(device, torch.int32), lens.to(device, torch.int32),
                                  D ** -0.5).cpu()
