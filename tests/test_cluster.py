@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from ember.client import RouterClient
-from ember.cluster.launcher import REPO_ROOT, down, up, wait_serving
+from ember.cluster.launcher import REPO_ROOT, running, wait_serving
 from ember.engine.sampling_params import SamplingParams
 from ember.kv import wire
 from ember.kv.block_hash import chain_hashes
@@ -30,11 +30,8 @@ from tests.conftest import LONG_TEXT, PROMPTS
 def cluster(tmp_path_factory, model_path):
     run_dir = tmp_path_factory.mktemp("cluster")
     addr = write_config(run_dir / "cluster.yaml")
-    up(run_dir / "cluster.yaml", run_dir, timeout_s=240)
-    try:
+    with running(run_dir / "cluster.yaml", run_dir, timeout_s=240):
         yield addr | {"config": str(run_dir / "cluster.yaml")}
-    finally:
-        down(run_dir)
 
 
 @pytest.fixture(scope="module")

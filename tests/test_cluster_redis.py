@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from ember.client import RouterClient
-from ember.cluster.launcher import down, up
+from ember.cluster.launcher import running
 from ember.engine.sampling_params import SamplingParams
 from ember.v1 import decode_pb2, decode_pb2_grpc
 from tests.cluster_fixture import free_port, write_config
@@ -22,10 +22,9 @@ def redis_cluster(tmp_path_factory, model_path):
     redis = RedisServer(free_port(), run_dir).start()
     addr = write_config(run_dir / "cluster.yaml", directory=redis.url, shared_memory=False)
     try:
-        up(run_dir / "cluster.yaml", run_dir, timeout_s=240)
-        yield addr, redis
+        with running(run_dir / "cluster.yaml", run_dir, timeout_s=240):
+            yield addr, redis
     finally:
-        down(run_dir)
         redis.stop()
 
 

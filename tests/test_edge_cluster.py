@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from ember.client import RouterClient
-from ember.cluster.launcher import down, up
+from ember.cluster.launcher import running
 from ember.model.fetch import DEFAULT_MODEL_PATH
 from tests.cluster_fixture import free_port
 from tests.conftest import LONG_TEXT
@@ -47,11 +47,8 @@ def edge_config(path) -> dict:
 def edge_cluster(tmp_path_factory, model_path):
     run_dir = tmp_path_factory.mktemp("edge-cluster")
     config = edge_config(run_dir / "cluster.yaml")
-    up(run_dir / "cluster.yaml", run_dir, timeout_s=300)
-    try:
+    with running(run_dir / "cluster.yaml", run_dir, timeout_s=300):
         yield config, run_dir
-    finally:
-        down(run_dir)
 
 
 def test_long_first_turn_prefills_centrally_short_follow_up_at_the_edge(edge_cluster, engine, hf_greedy):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from ember.cluster.launcher import down, up
+from ember.cluster.launcher import running
 from ember.engine.sampling_params import SamplingParams
 from tests.cluster_fixture import write_config
 
@@ -13,12 +13,9 @@ from tests.cluster_fixture import write_config
 def api(tmp_path_factory, model_path):
     run_dir = tmp_path_factory.mktemp("openai")
     addr = write_config(run_dir / "cluster.yaml")
-    up(run_dir / "cluster.yaml", run_dir, timeout_s=240)
-    try:
+    with running(run_dir / "cluster.yaml", run_dir, timeout_s=240):
         yield openai.OpenAI(base_url=f"http://{addr['router_http']}/v1", api_key="unused", max_retries=0,
                             timeout=120)
-    finally:
-        down(run_dir)
 
 
 def local_chat(engine, messages, max_tokens):

@@ -15,7 +15,7 @@ from ember.bench.engine_bench import random_prompts
 from ember.bench.kv_bench import raw_tcp_GBps
 from ember.bench.measure import progress, write_result
 from ember.client import RouterClient
-from ember.cluster.launcher import down, up
+from ember.cluster.launcher import running
 from ember.cluster.ports import write_local_config
 from ember.kv import wire
 from ember.kv.chunks import split
@@ -71,8 +71,7 @@ def main(args) -> int:
         addr = write_local_config(run_dir / "cluster.yaml", str(Path(args.model).resolve()), kvstore_capacity_mb=1024,
                                   kv_cache_mb=args.kv_cache_mb, threads=threads)
         progress("starting the local cluster")
-        up(run_dir / "cluster.yaml", run_dir, timeout_s=300)
-        try:
+        with running(run_dir / "cluster.yaml", run_dir, timeout_s=300):
             progress("colocated engine: loading")
             engine = LLMEngine(EngineConfig(model=args.model, num_threads=threads,
                                             kv_cache_bytes=args.kv_cache_mb * 2**20))
@@ -93,8 +92,6 @@ def main(args) -> int:
             result["kv_pull"] = kv_pull_throughput(addr, 256, engine.frame_template)
             # kernel-default buffers, as this figure has always been measured
             result["raw_tcp_GiBps"] = raw_tcp_GBps(256 * block_bytes, receive_buffer=None) * 1e9 / 2**30
-        finally:
-            down(run_dir)
     ratios = {n: r["disaggregated"]["ttft_s"] / r["colocated"]["ttft_s"] for n, r in result["runs"].items()}
     result["targets"] = {
         "disagg_ttft_over_colocated": {"value": {n: round(v, 3) for n, v in ratios.items()}, "target": 1.1,

@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from ember.bench.measure import progress, write_result
-from ember.cluster.launcher import down, up
+from ember.cluster.launcher import running
 from ember.cluster.ports import free_port
 from ember.placement import trace as traces
 from ember.placement.config import ClusterConfig
@@ -132,12 +132,9 @@ def main(args) -> int:
         run_dir = Path(tmp)
         (run_dir / "cluster.yaml").write_text(yaml.safe_dump(data))
         progress("starting the 3-site cluster behind emulated links")
-        up(run_dir / "cluster.yaml", run_dir, timeout_s=400)
-        try:
+        with running(run_dir / "cluster.yaml", run_dir, timeout_s=400):
             progress("replaying the trace in real time")
             results = replay(data["router"], trace)
-        finally:
-            down(run_dir)
     sent = [r for r, _ in results]
     real_ttft = [m.timings.ttft_s for _, m in results]
     sim = Simulator(config, "ember").run(sent)

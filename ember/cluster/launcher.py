@@ -12,6 +12,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import grpc
@@ -156,6 +158,16 @@ def up(config_path: str | Path, run_dir: str | Path, timeout_s: float = 300) -> 
         down(run_dir)
         raise
     return config
+
+
+@contextmanager
+def running(config_path: str | Path, run_dir: str | Path, timeout_s: float = 300) -> Iterator[ClusterConfig]:
+    """The cluster of `config_path`, up for the `with` block and stopped after it, whatever happens."""
+    config = up(config_path, run_dir, timeout_s)
+    try:
+        yield config
+    finally:
+        down(run_dir)
 
 
 def down(run_dir: str | Path, grace_s: float = 15) -> list[str]:
