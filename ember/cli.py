@@ -23,11 +23,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_dtype(args) -> str:
-    return args.dtype or ("bfloat16" if args.weights == "q4" else "float32")
+    from ember.model.files import serving_dtype
+    return args.dtype or serving_dtype(engine_weights(args))
 
 
-def engine_weights(args, default: str = "dense") -> str:
-    return args.weights or default
+def engine_weights(args) -> str:
+    return args.weights or "dense"
 
 
 def cmd_generate(args) -> int:

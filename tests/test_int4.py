@@ -36,8 +36,8 @@ def test_q4_codes_are_the_gguf_weights_exactly(q4_weights, model_path, name):
 
 def test_int4_linear_small_steps_use_int4_large_steps_dense(q4_weights):
     w = q4_weights["model.layers.5.mlp.gate_proj.weight"]
-    layer = Int4Linear(w.codes, w.scale, w.low)
     exact = torch.from_numpy(w.dequantize())
+    layer = Int4Linear(w.codes, w.scale, w.low, exact)
     for rows in (1, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 64):
         x = torch.randn(rows, exact.shape[1]).bfloat16()
         ref = x.float() @ exact.T
@@ -98,6 +98,6 @@ def test_q4_needs_bf16_and_a_gguf():
         EngineConfig(weights="q8")
     with pytest.raises(ValueError, match="bfloat16"):
         EngineSettings(weights="q4")
-    from ember.model.loader import check_weights
+    from ember.model.files import check_weights
     with pytest.raises(ValueError, match="GGUF"):
         check_weights("some/folder", "bfloat16", "q4")

@@ -35,6 +35,7 @@ from ember.bench.agentic_systems import (
 )
 from ember.bench.agentic_workload import Session, advance, sessions
 from ember.bench.measure import matmul_gflops, progress, write_result
+from ember.model.files import serving_dtype
 
 SYSTEMS = ("llama-server", "transformers", "ember-colocated", "ember-disagg")
 
@@ -179,25 +180,22 @@ class ManagedLlamaServer(LlamaServer):
 
 def run_cluster(model: str, threads: int, weights: str, body) -> None:
     """Start the local two-site cluster (prefill + decode + two kvstores + router), run body, stop it."""
-    from ember.cluster.launcher import down, up
+    from ember.cluster.launcher import running
     from ember.cluster.ports import write_local_config
     from ember.kv.block_hash import KVLayout
     from ember.model.files import model_folder
     from ember.model.llama import ModelArgs
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp)
-        dtype = "bfloat16" if weights == "q4" else "float32"
+        dtype = serving_dtype(weights)
         write_local_config(run_dir / "cluster.yaml", str(Path(model).resolve()), kvstore_capacity_mb=1024,
                            kv_cache_mb=768, threads=threads, dtype=dtype, weights=weights)
-        up(run_dir / "cluster.yaml", run_dir, timeout_s=300)
-        try:
+        with running(run_dir / "cluster.yaml", run_dir, timeout_s=300):
             services = json.loads((run_dir / "services.json").read_text())
             kvstores = [v["address"] for k, v in services.items() if k.startswith("kvstore")]
             a = ModelArgs.from_hf_config(json.loads((model_folder(model) / "config.json").read_text()))
             block_bytes = KVLayout("", dtype, 16, a.num_layers, a.num_kv_heads, a.head_dim).block_bytes
             body(lambda: EmberCluster(services["router"]["address"], kvstores, block_bytes))
-        finally:
-            down(run_dir)
 
 
 def prefill_roofline(model: str, threads: int, weights: str, quick: bool) -> dict:
@@ -207,7 +205,7 @@ def prefill_roofline(model: str, threads: int, weights: str, quick: bool) -> dic
     from ember.engine.config import EngineConfig
     from ember.engine.engine import LLMEngine
     from ember.engine.sampling_params import SamplingParams
-    dtype = "bfloat16" if weights == "q4" else "float32"
+    dtype = serving_dtype(weights)
     import torch
     progress(f"prefill roofline: matmul rate ({dtype}) and Ember prefill")
     roof = matmul_gflops(getattr(torch, dtype), threads)

@@ -111,10 +111,10 @@ class EmberColocated:
     def __init__(self, model: str, threads: int, weights: str):
         from ember.engine.config import EngineConfig
         from ember.engine.engine import LLMEngine
+        from ember.model.files import serving_dtype
         from ember.serving.async_engine import AsyncEngine
-        dtype = "bfloat16" if weights == "q4" else "float32"
-        self.engine = AsyncEngine(LLMEngine(EngineConfig(model=model, dtype=dtype, weights=weights, num_threads=threads,
-                                                         kv_cache_bytes=768 * 2**20)))
+        self.engine = AsyncEngine(LLMEngine(EngineConfig(model=model, dtype=serving_dtype(weights), weights=weights,
+                                                         num_threads=threads, kv_cache_bytes=768 * 2**20)))
 
     async def turn(self, s: Session, max_tokens: int) -> tuple[str, Record]:
         from ember.engine.sampling_params import SamplingParams

@@ -34,16 +34,20 @@ class ContiguousAttend:
 
 
 @torch.inference_mode()
-def _step_logits(loaded: LoadedModel, prompt: list[int], continuation: list[int]) -> torch.Tensor:
-    """Logits [len(continuation) + 1, V]: after the prompt, then after each forced token."""
+def _step_logits(loaded: LoadedModel, prompt: list[int], steps: int,
+                 forced: list[int] | None = None) -> tuple[torch.Tensor, list[int]]:
+    """Logits [steps, V] after the prompt and after each next token, and those tokens: the
+    `forced` ones, or the model's own greedy picks."""
     model = loaded.model
     attend = ContiguousAttend(loaded.args.num_layers)
     hidden = model(torch.tensor(prompt), torch.arange(len(prompt)), attend)
-    rows = [model.compute_logits(hidden[-1:])]
-    for i, token in enumerate(continuation):
-        hidden = model(torch.tensor([token]), torch.tensor([len(prompt) + i]), attend)
-        rows.append(model.compute_logits(hidden))
-    return torch.cat(rows).float()
+    rows, tokens = [], []
+    for i in range(steps):
+        rows.append(model.compute_logits(hidden[-1:]).float())
+        tokens.append(forced[i] if forced is not None else int(rows[-1].argmax()))
+        if i + 1 < steps:
+            hidden = model(torch.tensor(tokens[-1:]), torch.tensor([len(prompt) + i]), attend)
+    return torch.cat(rows), tokens
 
 
 @torch.inference_mode()
@@ -52,16 +56,10 @@ def compare_to_reference(reference: LoadedModel, candidates: dict[str, LoadedMod
     totals = {name: {"positions": 0, "top1_agree": 0, "kl_sum": 0.0, "max_abs_logit_diff": 0.0,
                      "greedy_match_tokens": []} for name in candidates}
     for prompt in prompts:
-        greedy, logits = [], None
-        attend = ContiguousAttend(reference.args.num_layers)  # the reference's own greedy continuation
-        hidden = reference.model(torch.tensor(prompt), torch.arange(len(prompt)), attend)
-        for i in range(new_tokens):
-            greedy.append(int(reference.model.compute_logits(hidden[-1:]).argmax()))
-            hidden = reference.model(torch.tensor(greedy[-1:]), torch.tensor([len(prompt) + i]), attend)
-        ref_logits = _step_logits(reference, prompt, greedy[:-1])
+        ref_logits, greedy = _step_logits(reference, prompt, new_tokens)  # the reference's own continuation
         ref_logp = ref_logits.log_softmax(-1)
         for name, loaded in candidates.items():
-            logits = _step_logits(loaded, prompt, greedy[:-1])
+            logits, _ = _step_logits(loaded, prompt, new_tokens, forced=greedy)
             agree = logits.argmax(-1) == ref_logits.argmax(-1)
             t = totals[name]
             t["positions"] += len(agree)

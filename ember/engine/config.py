@@ -5,6 +5,7 @@ import os
 from dataclasses import dataclass
 
 from ember.model.fetch import DEFAULT_MODEL_PATH
+from ember.model.files import check_weights
 
 
 @dataclass(frozen=True)
@@ -27,10 +28,7 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
-        if self.weights not in ("dense", "q4"):
-            raise ValueError(f"weights must be 'dense' or 'q4', got {self.weights!r}")
-        if self.weights == "q4" and self.dtype != "bfloat16":
-            raise ValueError("weights='q4' needs dtype='bfloat16' (torch's int4 CPU kernels take bf16 activations)")
+        check_weights(self.model, self.dtype, self.weights)
         if self.num_threads < 0:
             raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
 

@@ -6,8 +6,9 @@ machine for all SmolLM2 linears at batch 1: bf16 15.6 ms, int4 5.8 ms. The int4 
 wants bf16 activations (fp32 ones fall onto a path 6-20x slower) and loses to oneDNN's
 bf16 GEMM once a step has more than a few rows (64 rows: 0.83 vs 0.40 ms for one
 576x1536 layer), so each layer keeps both: int4 for small steps (decode), a bf16
-oneDNN-packed copy for prefill. The bf16 copy is the same dequantized weights, so both
-paths compute the same model up to bf16 rounding.
+oneDNN-packed copy for prefill. The bf16 copy is the same weights (the loader's bf16
+checkpoint, which equals the dequantized codes), so both paths compute the same model up
+to bf16 rounding.
 """
 from __future__ import annotations
 
@@ -27,20 +28,29 @@ def int4_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and onednn_available()
 
 
-class Int4Linear(nn.Module):
-    """y = x @ W.T with W = (codes - 8) * scale + zero per group of 32 inputs (bf16 in and out)."""
+def _pack_int4(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """codes [out, in] in 0..15, scale and low [out, in / group] -> (packed codes, scales_and_zeros)."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    # torch's int4 kernels are zero-point-centred: w = (q - 8) * scale + zero, so zero = m + 8 d
+    scales_and_zeros = torch.stack([scale.T, (low + 8 * scale).T], dim=-1).to(torch.bfloat16).contiguous()
+    return packed, scales_and_zeros
 
-    def __init__(self, codes: np.ndarray, scale: np.ndarray, low: np.ndarray, group_size: int = 32):
+
+def _int4_mm(x: torch.Tensor, layer: Int4Linear | Int4Logits) -> torch.Tensor:
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, layer.group_size, layer.scales_and_zeros)
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W.T with W = (codes - 8) * scale + zero per group of 32 inputs (bf16 in and out).
+
+    `dense` is the same weights in bf16 ([out, in]), packed for steps too big for int4."""
+
+    def __init__(self, codes: np.ndarray, scale: np.ndarray, low: np.ndarray, dense: torch.Tensor,
+                 group_size: int = 32):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.group_size = group_size
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.from_numpy(codes.astype(np.int32)), 1)
-        scale_t, low_t = torch.from_numpy(scale), torch.from_numpy(low)
-        # torch's int4 kernels are zero-point-centred: w = (q - 8) * scale + zero, so zero = m + 8 d
-        zero_t = low_t + 8 * scale_t
-        self.scales_and_zeros = torch.stack([scale_t.T, zero_t.T], dim=-1).to(torch.bfloat16).contiguous()
-        dense = (torch.from_numpy(codes).view(self.out_features, -1, group_size).float() * scale_t[..., None]
-                 + low_t[..., None]).view(self.out_features, self.in_features)
+        self.packed, self.scales_and_zeros = _pack_int4(*(torch.from_numpy(a) for a in (codes, scale, low)))
         self.dense = PackedLinear(dense.to(torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -48,8 +58,7 @@ class Int4Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if x2.shape[0] > INT4_MAX_ROWS:
             return self.dense(x)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.packed, self.group_size, self.scales_and_zeros)
-        return y.view(*lead, self.out_features)
+        return _int4_mm(x2, self).view(*lead, self.out_features)
 
 
 class Int4Logits(nn.Module):
@@ -71,16 +80,14 @@ class Int4Logits(nn.Module):
         groups = self.weight.float().view(self.out_features, -1, group_size)
         low, high = groups.amin(-1), groups.amax(-1)
         scale = ((high - low) / 15).clamp_min(1e-12)
-        codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.view(self.out_features, -1), 1)
-        self.scales_and_zeros = torch.stack([scale.T, (low + 8 * scale).T], dim=-1).to(torch.bfloat16).contiguous()
+        codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
+        self.packed, self.scales_and_zeros = _pack_int4(codes.view(self.out_features, -1), scale, low)
         self.dense = PackedLinear(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[0] != 1:
             return self.dense(x).float()
-        logits = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.group_size,
-                                                            self.scales_and_zeros).float()
+        logits = _int4_mm(x, self).float()
         nominees = logits.topk(self.candidates, dim=-1).indices[0]
         exact = x.float() @ self.weight[nominees].float().T
         return logits.index_copy_(1, nominees, exact)
@@ -101,8 +108,4 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, a
     x = x + _int4_mm(out.reshape(rows, -1), attn.o_proj)
     gate, up = _int4_mm(layer.post_attention_layernorm.forward(x), mlp.gate_up_proj).split(mlp.intermediate_size, -1)
     return x + _int4_mm(F.silu(gate) * up, mlp.down_proj)
-
-
-def _int4_mm(x: torch.Tensor, linear: Int4Linear) -> torch.Tensor:
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, linear.packed, linear.group_size, linear.scales_and_zeros)
 

@@ -39,3 +39,19 @@ def folder_fingerprint(folder: Path) -> str:
 def weights_fingerprint(fingerprint: str, weights: str) -> str:
     """The fingerprint KV blocks are hashed under: int4 serving ("q4") computes different KV."""
     return fingerprint if weights == "dense" else f"{fingerprint}+{weights}"
+
+
+def serving_dtype(weights: str) -> str:
+    """The default serving dtype for a weights mode: int4 kernels take bf16 activations."""
+    return "bfloat16" if weights == "q4" else "float32"
+
+
+WEIGHTS = ("dense", "q4")
+
+
+def check_weights(path: str | Path, dtype: str, weights: str) -> None:
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if weights == "q4" and (dtype != "bfloat16" or Path(path).suffix != ".gguf"):
+        raise ValueError("weights='q4' serves a GGUF's Q4_1 codes and needs dtype='bfloat16' "
+                         f"(torch's int4 CPU kernels take bf16 activations); got dtype={dtype!r}, model={str(path)!r}")

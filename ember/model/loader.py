@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ember.model.files import cache_dir_for, folder_fingerprint, sha256_file, weights_fingerprint
+from ember.model.files import cache_dir_for, check_weights, folder_fingerprint, sha256_file, weights_fingerprint
 from ember.model.gguf_convert import CONVERTER_VERSION, convert_gguf
 from ember.model.llama import LlamaModel, ModelArgs
 from ember.model.safetensors_io import read_safetensors
@@ -45,17 +45,6 @@ def ensure_gguf_cache(gguf_path: Path) -> Path:
     meta.update(source_size=stat.st_size, source_mtime_ns=stat.st_mtime_ns)
     meta_path.write_text(json.dumps(meta))
     return cache
-
-
-WEIGHTS = ("dense", "q4")
-
-
-def check_weights(path: str | Path, dtype: str, weights: str) -> None:
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
-    if weights == "q4" and (dtype != "bfloat16" or Path(path).suffix != ".gguf"):
-        raise ValueError("weights='q4' serves a GGUF's Q4_1 codes and needs dtype='bfloat16' "
-                         f"(torch's int4 CPU kernels take bf16 activations); got dtype={dtype!r}, model={str(path)!r}")
 
 
 def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense") -> LoadedModel:
@@ -103,7 +92,9 @@ def _use_int4(model: LlamaModel, gguf_path: Path) -> int:
                                  "weights='q4' needs Q4_1 layers")
             w = Q4Weight.concat([q4.pop(n) for n in names])
             parent, attr = target.split(".")
-            setattr(getattr(layer, parent), attr, Int4Linear(w.codes, w.scale, w.low))
+            module = getattr(layer, parent)
+            # the loaded bf16 weight is the dequantized codes (bit for bit before the cast): no recompute
+            setattr(module, attr, Int4Linear(w.codes, w.scale, w.low, getattr(module, attr).weight))
             read += w.codes.size // 2 + w.scale.size * 4  # int4 codes + bf16 scale and zero per group
     output = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.lm_head = Int4Logits(output)
