@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ember.cluster.config import ClusterConfig, load_config
+from ember.cluster.config import ClusterConfig, Site, load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,16 +17,19 @@ def engine_args(prog: str) -> argparse.Namespace:
     return p.parse_args()
 
 
-def build_engine(config: ClusterConfig):
+def engine_config(config: ClusterConfig):
     from ember.engine.config import EngineConfig
-    from ember.engine.engine import LLMEngine
-    from ember.serving.async_engine import AsyncEngine
     e = config.engine
-    engine = LLMEngine(EngineConfig(model=str(config.model_path(REPO_ROOT)), dtype=e.dtype, weights=e.weights,
-                                    block_size=e.block_size,
-                                    kv_cache_bytes=e.kv_cache_mb * 2**20, num_threads=e.threads,
-                                    max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens))
-    return AsyncEngine(engine)
+    return EngineConfig(model=str(config.model_path(REPO_ROOT)), dtype=e.dtype, weights=e.weights,
+                        block_size=e.block_size, kv_cache_bytes=e.kv_cache_mb * 2**20, num_threads=e.threads,
+                        max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens)
+
+
+def tokenizer(config: ClusterConfig):
+    """The model's tokenizer, read without loading the model (torch-free)."""
+    from ember.model.files import model_folder
+    from ember.model.tokenizer import Tokenizer
+    return Tokenizer.from_folder(model_folder(config.model_path(REPO_ROOT)))
 
 
 def load(args) -> ClusterConfig:
@@ -34,21 +37,31 @@ def load(args) -> ClusterConfig:
 
 
 async def serve_engine_service(address: str, service_name: str, service, add_to_server, config: ClusterConfig,
-                               metrics_listen: str | None = None) -> None:
-    """Serve an engine-backed servicer: health says NOT_SERVING while the model loads (off the
-    event loop, so health checks are answered), SERVING once `service.engine` is set."""
+                               site: Site, metrics_listen: str | None = None) -> None:
+    """Serve an engine-backed servicer. Its engine core runs in a process of its own; health
+    says NOT_SERVING while the model loads there, SERVING once `service.engine` is warm, and
+    NOT_SERVING again if the core dies (its streams end with UNAVAILABLE)."""
     import asyncio
+
+    from grpc_health.v1 import health_pb2
 
     from ember.rpc import metrics
     from ember.rpc.server import Server
+    from ember.serving.engine_client import SubprocessEngineClient
     server = Server(address, [service_name])
     add_to_server(service, server.server)
     metrics.serve(metrics_listen)
 
     async def warmup():
-        service.engine = await asyncio.to_thread(build_engine, config)
-        metrics.watch_engine(service.engine.engine)
+        loop = asyncio.get_running_loop()
+
+        def died():
+            loop.create_task(server.set_status(health_pb2.HealthCheckResponse.NOT_SERVING))
+        service.engine = await SubprocessEngineClient.start(engine_config(config), kvstore=site.kvstore,
+                                                            use_shm=config.kvstore_shared_memory, on_death=died)
+        metrics.watch_engine(service.engine)
 
     async def stop():
-        service.engine.stop()
+        if service.engine is not None:
+            service.engine.close()
     await server.run(warmup=warmup, on_stop=stop)

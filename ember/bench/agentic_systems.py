@@ -1,7 +1,7 @@
 """The systems `ember bench agentic` drives, each behind one coroutine: turn(session, max_tokens).
 
 - EmberCluster: the local cluster's router over gRPC streaming (disaggregated);
-- EmberColocated: one in-process engine (AsyncEngine), all sessions batched;
+- EmberColocated: one in-process engine (InProcessEngineClient), all sessions batched;
 - Transformers: Hugging Face transformers on the same GGUF, a greedy loop with its own KV
   cache per request, one request at a time, nothing kept across requests;
 - LlamaServer: llama.cpp's C++ server (-np slots, continuous batching, cache_prompt).
@@ -112,9 +112,10 @@ class EmberColocated:
         from ember.engine.config import EngineConfig
         from ember.engine.engine import LLMEngine
         from ember.model.files import serving_dtype
-        from ember.serving.async_engine import AsyncEngine
-        self.engine = AsyncEngine(LLMEngine(EngineConfig(model=model, dtype=serving_dtype(weights), weights=weights,
-                                                         num_threads=threads, kv_cache_bytes=768 * 2**20)))
+        from ember.serving.engine_client import InProcessEngineClient
+        config = EngineConfig(model=model, dtype=serving_dtype(weights), weights=weights, num_threads=threads,
+                              kv_cache_bytes=768 * 2**20)
+        self.engine = InProcessEngineClient(LLMEngine(config))
 
     async def turn(self, s: Session, max_tokens: int) -> tuple[str, Record]:
         from ember.engine.sampling_params import SamplingParams
@@ -131,7 +132,7 @@ class EmberColocated:
         return "".join(text), timer.done()
 
     async def close(self) -> None:
-        self.engine.stop()
+        self.engine.close()
 
 
 class Transformers:

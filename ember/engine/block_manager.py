@@ -128,11 +128,16 @@ class BlockManager:
         assert hash_ not in self.cached, "block is already cached"
         return self._take_fresh()
 
-    def publish_import(self, block_id: int, hash_: bytes, token_ids) -> None:
+    def publish_import(self, block_id: int, hash_: bytes, token_ids, keep_ref: bool = False) -> None:
         block = self.blocks[block_id]
         block.hash, block.token_ids = hash_, tuple(token_ids)
         self.cached[hash_] = block_id
-        self.release(block_id)
+        if not keep_ref:
+            self.release(block_id)
+
+    def pin(self, block_id: int) -> None:
+        """Hold a cached block (an extra reference) so it cannot be evicted; `release` ends it."""
+        self._ref(block_id)
 
     def release(self, block_id: int) -> None:
         block = self.blocks[block_id]

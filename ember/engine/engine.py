@@ -13,6 +13,7 @@ from ember.engine.detokenizer import update_text
 from ember.engine.errors import CapacityError, IntegrityError, InvalidRequestError
 from ember.engine.kv_cache import PagedKVCache
 from ember.engine.model_runner import ModelRunner
+from ember.engine.outputs import RequestOutput
 from ember.engine.sampler import sample
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.scheduler import Scheduler
@@ -21,20 +22,6 @@ from ember.kernels import optimize
 from ember.kv import wire
 from ember.kv.block_hash import KVLayout, chain_hashes, root_hash
 from ember.model.loader import LoadedModel, load_model
-
-
-@dataclass
-class RequestOutput:
-    """What one step produced for one request (streamed); the last one has finished=True."""
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-    block_hashes: list[bytes]  # full blocks whose KV this request left in the cache
 
 
 @dataclass
@@ -89,7 +76,7 @@ class LLMEngine:
         if request_id in self.seqs:
             raise InvalidRequestError(f"request_id {request_id!r} is already running")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate(token_ids, params)
+        self.validate(token_ids, params)
         if len(output_prefix) >= params.max_tokens:
             raise InvalidRequestError("output_prefix already reaches max_tokens: nothing left to generate")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
@@ -101,7 +88,8 @@ class LLMEngine:
         self.stats.num_prompt_tokens += len(token_ids)
         return request_id
 
-    def _validate(self, token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError / CapacityError for a request this engine can never serve."""
         if not token_ids:
             raise InvalidRequestError("prompt is empty")
         vocab = self.loaded.args.vocab_size
@@ -199,13 +187,19 @@ class LLMEngine:
         return [wire.encode_frame(self.frame_template, h, payload)
                 for h, payload in zip(block_hashes, self.export_blocks(block_hashes))]
 
-    def import_blocks(self, token_ids: list[int], block_hashes: list[bytes], payloads: list[bytes | None]) -> int:
+    def import_blocks(self, token_ids: list[int], block_hashes: list[bytes], payloads: list[bytes | None],
+                      hold: list[int] | None = None) -> int:
         """Put the KV of the first len(block_hashes) full blocks of token_ids into the cache.
 
         The hashes are recomputed from the tokens and must match, so a block can never be
         filed under tokens it was not computed from. A payload of None means "already
         cached here"; if it is not (evicted meanwhile), importing stops there and the rest
         is recomputed. Returns how many blocks were new.
+
+        With `hold`, every imported block stays referenced (its id appended to `hold`) so
+        nothing can evict it before its request is admitted; the caller releases them. A
+        pool with no free block then ends the import early instead of failing (the rest
+        is recomputed).
         """
         bs = self.config.block_size
         expected = chain_hashes(token_ids[:len(block_hashes) * bs], bs, self.block_manager.root_hash)
@@ -221,6 +215,8 @@ class LLMEngine:
             if payload is None:
                 break
             if self.block_manager.num_free_blocks == 0:
+                if hold is not None:
+                    break
                 raise CapacityError("no free KV block to import into")
             block_id = self.block_manager.reserve_for_import(h)
             try:
@@ -228,6 +224,8 @@ class LLMEngine:
             except ValueError as e:
                 self.block_manager.release(block_id)
                 raise IntegrityError(str(e)) from e
-            self.block_manager.publish_import(block_id, h, block_tokens)
+            self.block_manager.publish_import(block_id, h, block_tokens, keep_ref=hold is not None)
+            if hold is not None:
+                hold.append(block_id)
             imported += 1
         return imported

@@ -53,12 +53,11 @@ class _StoreCollector:
             yield GaugeMetricFamily(name, doc, value=value)
 
 
-def watch_engine(engine) -> None:
-    """Engine gauges, read when scraped (lengths and counters only: safe from another thread)."""
-    RUNNING.set_function(lambda: len(engine.scheduler.running))
-    WAITING.set_function(lambda: len(engine.scheduler.waiting))
-    bm = engine.block_manager
-    KV_USAGE.set_function(lambda: bm.num_used_blocks / max(1, bm.num_blocks))
+def watch_engine(client) -> None:
+    """Engine gauges from the latest snapshot the engine core sent (no round trip per scrape)."""
+    RUNNING.set_function(lambda: client.snapshot.running)
+    WAITING.set_function(lambda: client.snapshot.waiting)
+    KV_USAGE.set_function(lambda: client.snapshot.used_blocks / max(1, client.snapshot.total_blocks))
 
 
 def watch_store(store) -> None:

@@ -13,6 +13,7 @@ else spans are not exported.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Sequence
@@ -82,6 +83,26 @@ def annotate(**attributes) -> None:
     for key, value in attributes.items():
         if value is not None:
             span.set_attribute(f"ember.{key}", value)
+
+
+def current_carrier() -> dict[str, str]:
+    """The current trace context as W3C headers, to hand to another process."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=otel_context.get_current())
+    return carrier
+
+
+@contextlib.contextmanager
+def carried(carrier: dict[str, str] | None):
+    """Make a context handed over by `current_carrier` current (outgoing calls join its trace)."""
+    if not carrier:
+        yield
+        return
+    token = otel_context.attach(propagate.extract(carrier))
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
 
 
 def _with_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:

@@ -1,0 +1,106 @@
+"""The engine core's one door to its site's kvstore (L2): load blocks in, store blocks out.
+
+The engine core's main thread never waits on the network: every kvstore call runs on the
+connector's own thread (an asyncio loop with one gRPC channel), and the core polls the
+futures it gets back between steps. Loading leases the blocks (pulling them from another
+site's store first when asked), reads their frames (the store's shared memory on the same
+host, gRPC otherwise) and verifies each one against the engine's layout, model and
+checksum; the core copies them into its pool and then releases the lease. Storing sends
+frames with the raw bulk Put (the store verifies them again and skips what it holds).
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+import time
+from dataclasses import dataclass
+
+from ember.kv import bulk, wire
+from ember.rpc import tracing
+from ember.rpc.server import channel
+from ember.rpc.site_kv import SiteKV
+from ember.v1 import kvstore_pb2
+
+
+@dataclass
+class Loaded:
+    hashes: list[bytes]  # what was asked for
+    payloads: dict[bytes, memoryview]  # verified raw payloads (views into the arena or a gRPC message)
+    lease_id: int
+    blocks_pulled: int
+    bytes_pulled: int
+    transfer_s: float
+
+
+class KVConnector:
+    def __init__(self, kvstore_address: str, frame_template: wire.FrameHeader, use_shm: bool = True):
+        self.frame_template = frame_template
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kv-connector", daemon=True)
+        self._thread.start()
+        self._kv: SiteKV = self._submit(self._open(kvstore_address, use_shm)).result(timeout=30)
+
+    @staticmethod
+    async def _open(address: str, use_shm: bool) -> SiteKV:
+        return SiteKV(channel(address), use_shm)
+
+    def _submit(self, coro, trace_context: dict[str, str] | None = None) -> concurrent.futures.Future:
+        async def traced():
+            with tracing.carried(trace_context):  # the kvstore calls join the request's trace
+                return await coro
+        return asyncio.run_coroutine_threadsafe(traced(), self._loop)
+
+    @property
+    def blocks_shared_memory(self) -> int:
+        return self._kv.blocks_shared_memory
+
+    @property
+    def blocks_grpc(self) -> int:
+        return self._kv.blocks_grpc
+
+    def load(self, hashes: list[bytes], pull_from: str, timeout: float | None,
+             trace_context: dict[str, str] | None = None) -> concurrent.futures.Future:
+        """Lease (after pulling from `pull_from`, when given) and read the blocks the store has."""
+        async def run() -> Loaded:
+            start = time.perf_counter()
+            pulled = bytes_pulled = 0
+            if pull_from:
+                response = await self._kv.pull(hashes, pull_from, timeout)
+                lease, pulled, bytes_pulled = response.lease, response.blocks_pulled, response.bytes_pulled
+            else:
+                lease = await self._kv.acquire(hashes, timeout)
+            try:
+                payloads = await self._kv.payloads(hashes, lease, self.frame_template, timeout)
+            except BaseException:
+                await self._kv.release(lease.lease_id, check=False)
+                raise
+            return Loaded(hashes, payloads, lease.lease_id, pulled, bytes_pulled, time.perf_counter() - start)
+        return self._submit(run(), trace_context)
+
+    def lookup(self, hashes: list[bytes], timeout: float | None = 10.0,
+               trace_context: dict[str, str] | None = None) -> concurrent.futures.Future:
+        """Which of the blocks the store holds (a list of bools)."""
+        async def run() -> list[bool]:
+            response = await self._kv.stub.Lookup(kvstore_pb2.LookupRequest(block_hashes=hashes), timeout=timeout)
+            return list(response.present)
+        return self._submit(run(), trace_context)
+
+    def release(self, lease_id: int, check: bool = True) -> concurrent.futures.Future:
+        """End a lease once its blocks are copied; with `check`, an expired lease fails (DATA_LOSS)."""
+        return self._submit(self._kv.release(lease_id, check=check))
+
+    def store(self, frames: list[tuple[bytes, bytes]], timeout: float | None = 60.0,
+              trace_context: dict[str, str] | None = None) -> concurrent.futures.Future:
+        """Bulk-put (hash, frame) pairs; the future gives (blocks stored, blocks already there)."""
+        return self._submit(bulk.put(self._kv.channel, frames, timeout=timeout), trace_context)
+
+    def close(self) -> None:
+        async def shut():
+            await self._kv.channel.close()
+        try:
+            self._submit(shut()).result(timeout=5)
+        except Exception:  # noqa: BLE001 - closing anyway
+            pass
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)

@@ -1,0 +1,73 @@
+"""The engine core's own process: `python -m ember.serving.core_process --fd N --config JSON`.
+
+Started by `SubprocessEngineClient`; talks to it over the socketpair end `--fd`. The model
+loop runs on this process's main thread; the KV connector (when `--kvstore` is given) does
+its I/O on a thread of its own. The process exits when its service closes the socket,
+dies, or sends ("shutdown",).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+from multiprocessing.connection import Connection
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="ember.serving.core_process")
+    p.add_argument("--fd", type=int, required=True)
+    p.add_argument("--config", required=True, help="EngineConfig fields as JSON")
+    p.add_argument("--kvstore", help="the site kvstore's gRPC address (L2, KV transfers)")
+    p.add_argument("--no-shm", action="store_true", help="read frames over gRPC even on the same host")
+    args = p.parse_args(argv)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the service, which shuts us down
+    conn = Connection(args.fd)
+
+    from ember.rpc import logs
+    logs.setup("engine-core")
+    try:
+        from ember.engine.config import EngineConfig
+        from ember.engine.engine import LLMEngine
+        from ember.serving.engine_core import EngineCore
+        from ember.serving.messages import CoreInfo
+        engine = LLMEngine(EngineConfig(**json.loads(args.config)))
+        connector = None
+        if args.kvstore:
+            from ember.rpc.kv_connector import KVConnector
+            connector = KVConnector(args.kvstore, engine.frame_template, use_shm=not args.no_shm)
+        core = EngineCore(engine, connector)
+        info = CoreInfo(os.getpid(), engine.config.block_size, engine.block_manager.root_hash,
+                        engine.loaded.args.vocab_size, engine.max_model_len, list(engine.kernels))
+    except Exception as e:  # noqa: BLE001 - reported to the service, which fails its start-up
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        return 1
+    conn.send(("ready", info))
+    from ember.serving.engine_client import serve_loop
+    from ember.serving.engine_core import error_info
+
+    def receive(timeout):
+        messages = []
+        try:
+            while conn.poll(timeout):
+                messages.append(conn.recv())
+                timeout = 0
+        except (EOFError, OSError):
+            messages.append(("shutdown",))  # the service is gone
+        return messages
+
+    def emit(events, snapshot):
+        events = [("error", e[1], error_info(e[2])) if e[0] == "error" else e for e in events]
+        try:
+            conn.send((events, snapshot))
+        except OSError:
+            pass  # the service is gone; the next receive ends the loop
+    serve_loop(core, receive, emit)
+    if connector is not None:
+        connector.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

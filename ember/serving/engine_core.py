@@ -1,0 +1,313 @@
+"""The engine core: one engine's loop body, carrying out each request's KV plan.
+
+Single-threaded and transport-agnostic: `handle(message)` takes what a service sent,
+`turn()` runs one step and returns the events for the service. The same object runs on
+a thread of the caller (`InProcessEngineClient`) or on the main thread of its own process
+(`ember.serving.core_process`).
+
+The KV connector's part of a request's life (vLLM's KV-connector seam, done once for
+prefill and decode alike):
+- add: the prompt's full blocks already in the pool (L1) are pinned at once; the rest
+  are loaded from the site kvstore (L2, pulled from another site first when the plan
+  says so) on the connector's thread while other requests keep stepping.
+- import: loaded blocks go into the pool and stay referenced, with the L1 pins, until the
+  scheduler admits the request: another request's import can never evict them. If nothing
+  can run because held blocks fill the pool, the holds of all but the oldest waiting
+  request are dropped (their blocks stay cached, merely evictable): progress over reuse.
+- finish: the blocks the request computed leave for the site kvstore right then, before a
+  later step could evict them (write-back), so a session's history outlives the pool.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+from dataclasses import dataclass, field
+
+from ember.engine.engine import LLMEngine
+from ember.engine.errors import CapacityError, IntegrityError, InvalidRequestError
+from ember.engine.outputs import KVStats, RequestOutput
+from ember.kv.block_hash import chain_hashes
+from ember.serving.messages import AddRequest, ErrorInfo, Snapshot
+
+log = logging.getLogger("ember.engine")
+
+
+@dataclass
+class _Pending:
+    request: AddRequest
+    hashes: list[bytes]
+    pins: list[int]
+    load: concurrent.futures.Future
+    l2_lookup: concurrent.futures.Future | None
+    aborted: bool = False
+
+
+@dataclass
+class _Live:
+    request: AddRequest
+    pins: list[int]  # released once the scheduler admits the request
+    kv: KVStats
+    # sync write-back: which pool hits the site store holds (those it lacks are stored too)
+    l1_hashes: list[bytes] = field(default_factory=list)
+    l2_lookup: concurrent.futures.Future | None = None
+    first_sent: bool = False
+
+
+@dataclass
+class TierCounters:
+    """Prompt tokens by where their KV came from (summed at each request's finish)."""
+    tokens_l1: int = 0
+    tokens_l2: int = 0
+    tokens_computed: int = 0
+    blocks_written_back: int = 0
+    load_failures: int = 0
+    holds_dropped: int = 0
+
+
+@dataclass
+class EngineCore:
+    engine: LLMEngine
+    connector: object | None = None  # ember.rpc.kv_connector.KVConnector when a site kvstore is configured
+    pending: dict[str, _Pending] = field(default_factory=dict)
+    live: dict[str, _Live] = field(default_factory=dict)
+    stores: list[tuple[concurrent.futures.Future, RequestOutput | None]] = field(default_factory=list)
+    releases: list[tuple[str, concurrent.futures.Future]] = field(default_factory=list)
+    tiers: TierCounters = field(default_factory=TierCounters)
+
+    # -- messages ----------------------------------------------------------------------
+    def add(self, request: AddRequest) -> list[tuple]:
+        rid = request.request_id
+        if rid in self.pending or rid in self.live:
+            return [_error(rid, InvalidRequestError(f"request_id {rid!r} is already running"))]
+        engine, bm = self.engine, self.engine.block_manager
+        try:
+            engine.validate(request.prompt_token_ids, request.params)
+        except (InvalidRequestError, CapacityError) as e:
+            return [_error(rid, e)]
+        bs = engine.config.block_size
+        prompt = request.prompt_token_ids
+        hashes = chain_hashes(prompt, bs, bm.root_hash)
+        pins = []
+        for i, h in enumerate(hashes):
+            block_id = bm.lookup(h, prompt[i * bs:(i + 1) * bs])
+            if block_id is None:
+                break
+            bm.pin(block_id)
+            pins.append(block_id)
+        plan = request.plan
+        need = hashes[len(pins):plan.max_blocks if plan is not None else None]
+        lookup = None
+        if pins and plan is not None and plan.write_back == "sync" and self.connector is not None:
+            lookup = self.connector.lookup(hashes[:len(pins)], trace_context=request.trace_context)
+        if need and plan is not None and self.connector is not None and (plan.pull_from or plan.read_through):
+            load = self.connector.load(need, plan.pull_from, request.timeout_s, request.trace_context)
+            self.pending[rid] = _Pending(request, hashes, pins, load, lookup)
+            return []
+        return self._admit(request, pins, KVStats(blocks_l1=len(pins)), hashes, lookup)
+
+    def abort(self, request_id: str) -> None:
+        pending = self.pending.get(request_id)
+        if pending is not None:
+            pending.aborted = True  # its lease is released when the load completes
+            return
+        live = self.live.pop(request_id, None)
+        if live is not None:
+            self._unpin(live)
+            self.engine.abort(request_id)
+
+    def stats(self) -> dict:
+        engine, bm = self.engine, self.engine.block_manager
+        return {"running": len(engine.scheduler.running), "waiting": len(engine.scheduler.waiting),
+                "loading": len(self.pending), "used_blocks": bm.num_used_blocks, "total_blocks": bm.num_blocks,
+                "held_blocks": sum(len(x.pins) for x in (*self.pending.values(), *self.live.values())),
+                "blocks_shared_memory": getattr(self.connector, "blocks_shared_memory", 0),
+                "blocks_grpc": getattr(self.connector, "blocks_grpc", 0),
+                "preemptions": engine.scheduler.num_preemptions, "evictions": bm.num_evictions,
+                **vars(self.tiers)}
+
+    def snapshot(self) -> Snapshot:
+        engine, bm = self.engine, self.engine.block_manager
+        return Snapshot(len(engine.scheduler.running), len(engine.scheduler.waiting) + len(self.pending),
+                        bm.num_used_blocks, bm.num_blocks)
+
+    # -- the loop turn -----------------------------------------------------------------------
+    def has_work(self) -> bool:
+        """True while a step would do something (the loop must not block on its inbox)."""
+        return self.engine.has_unfinished() or self._transfers_done()
+
+    def busy(self) -> bool:
+        """True while transfers are in flight (the loop waits on its inbox only briefly)."""
+        return bool(self.pending or self.stores or self.releases)
+
+    def turn(self) -> list[tuple]:
+        events = self._poll_transfers()
+        if self.engine.has_unfinished():
+            steps = self.engine.stats.num_steps
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # noqa: BLE001 - fail the running requests, keep serving
+                log.exception("engine step failed")
+                for rid in list(self.live):
+                    self.abort(rid)
+                    events.append(_error(rid, exc))
+                return events
+            if self.engine.stats.num_steps == steps:
+                self._break_hold_deadlock()
+            for out in outputs:
+                events.extend(self._on_output(out))
+            self._release_admitted()
+        return events
+
+    # -- internals -----------------------------------------------------------------------------
+    def _transfers_done(self) -> bool:
+        return any(p.load.done() for p in self.pending.values()) or any(f.done() for f, _ in self.stores) \
+            or any(f.done() for _, f in self.releases)
+
+    def _poll_transfers(self) -> list[tuple]:
+        events = []
+        for rid, pending in list(self.pending.items()):
+            if pending.load.done():
+                del self.pending[rid]
+                events.extend(self._import(pending))
+        for future, out in [s for s in self.stores if s[0].done()]:
+            self.stores.remove((future, out))
+            try:
+                stored, _ = future.result()
+            except Exception as exc:  # noqa: BLE001
+                if out is not None:  # a sync write-back: the caller depends on these blocks
+                    events.append(_error(out.request_id, exc))
+                else:
+                    log.warning("write-back to the site kvstore failed: %s", exc)
+                continue
+            self.tiers.blocks_written_back += stored
+            if out is not None:
+                out.kv.blocks_stored = stored
+                events.append(("out", out))
+        for rid, future in [r for r in self.releases if r[1].done()]:
+            self.releases.remove((rid, future))
+            if future.exception() is not None and rid in self.live:  # lease expired before the copy
+                self.abort(rid)
+                events.append(_error(rid, future.exception()))
+        return events
+
+    def _import(self, pending: _Pending) -> list[tuple]:
+        request, rid = pending.request, pending.request.request_id
+        try:
+            loaded = pending.load.result()
+        except Exception as exc:  # noqa: BLE001
+            if pending.aborted or request.plan.pull_from:
+                self._release_pins(pending.pins)
+                return [] if pending.aborted else [_error(rid, exc)]
+            log.warning("read-through from the site kvstore failed (computing instead): %s", exc)
+            self.tiers.load_failures += 1
+            return self._admit(request, pending.pins, KVStats(blocks_l1=len(pending.pins)), pending.hashes,
+                               pending.l2_lookup)
+        if pending.aborted:
+            self.connector.release(loaded.lease_id, check=False)
+            self._release_pins(pending.pins)
+            return []
+        kv = KVStats(blocks_l1=len(pending.pins), blocks_pulled=loaded.blocks_pulled,
+                     bytes_pulled=loaded.bytes_pulled, transfer_s=loaded.transfer_s)
+        held = list(pending.pins)
+        covered = pending.hashes[:len(pending.pins) + len(loaded.hashes)]
+        payloads = [None] * len(pending.pins) + [loaded.payloads.get(h) for h in loaded.hashes]
+        try:
+            kv.blocks_l2 = self.engine.import_blocks(request.prompt_token_ids, covered, payloads, hold=held)
+        except IntegrityError as exc:
+            self.connector.release(loaded.lease_id, check=False)
+            self._release_pins(held)
+            return [_error(rid, exc)]
+        self.releases.append((rid, self.connector.release(loaded.lease_id)))
+        return self._admit(request, held, kv, pending.hashes, pending.l2_lookup)
+
+    def _admit(self, request: AddRequest, pins: list[int], kv: KVStats, hashes: list[bytes] = (),
+               l2_lookup: concurrent.futures.Future | None = None) -> list[tuple]:
+        try:
+            self.engine.add_request(request.prompt_token_ids, request.params, request.request_id,
+                                    output_prefix=request.output_prefix)
+        except (InvalidRequestError, CapacityError) as e:
+            self._release_pins(pins)
+            return [_error(request.request_id, e)]
+        self.live[request.request_id] = _Live(request, pins, kv, list(hashes[:kv.blocks_l1]), l2_lookup)
+        return []
+
+    def _on_output(self, out: RequestOutput) -> list[tuple]:
+        live = self.live.get(out.request_id)
+        if live is None:
+            return []
+        if not live.first_sent:
+            out.kv, live.first_sent = live.kv, True
+        if not out.finished:
+            return [("out", out)]
+        del self.live[out.request_id]
+        self._unpin(live)
+        self._count_tiers(out, live.kv)
+        plan = live.request.plan
+        if plan is None or plan.write_back == "none" or self.connector is None:
+            return [("out", out)]
+        # Right after the last step: no later step can have evicted these blocks yet.
+        wanted = out.block_hashes[out.cached_tokens // self.engine.config.block_size:]
+        if live.l2_lookup is not None:
+            done = live.l2_lookup.done() and live.l2_lookup.exception() is None
+            present = live.l2_lookup.result() if done else [False] * len(live.l1_hashes)
+            wanted = [h for h, p in zip(live.l1_hashes, present) if not p] + wanted
+        frames = []
+        for h in dict.fromkeys(wanted):
+            if h in self.engine.block_manager.cached:
+                frames.extend(zip([h], self.engine.export_frames([h])))
+        out.kv = out.kv or KVStats()
+        if not frames:
+            return [("out", out)]
+        sync = plan.write_back == "sync"
+        self.stores.append((self.connector.store(frames, trace_context=live.request.trace_context),
+                            out if sync else None))
+        return [] if sync else [("out", out)]
+
+    def _count_tiers(self, out: RequestOutput, kv: KVStats) -> None:
+        bs = self.engine.config.block_size
+        from_l2 = min(kv.blocks_l2 * bs, out.cached_tokens)
+        self.tiers.tokens_l2 += from_l2
+        self.tiers.tokens_l1 += out.cached_tokens - from_l2
+        self.tiers.tokens_computed += out.prompt_tokens - out.cached_tokens
+
+    def _release_admitted(self) -> None:
+        for rid, live in self.live.items():
+            if live.pins:
+                seq = self.engine.seqs.get(rid)
+                if seq is None or seq.admitted_once:
+                    self._unpin(live)
+
+    def _break_hold_deadlock(self) -> None:
+        """Nothing could be scheduled: if held blocks are why, let all but the oldest go."""
+        waiting = list(self.engine.scheduler.waiting)
+        if self.engine.scheduler.running or not waiting:
+            return
+        for seq in waiting[1:]:
+            live = self.live.get(seq.request_id)
+            if live is not None and live.pins:
+                self.tiers.holds_dropped += 1
+                self._unpin(live)
+
+    def _unpin(self, live: _Live) -> None:
+        self._release_pins(live.pins)
+        live.pins = []
+
+    def _release_pins(self, pins: list[int]) -> None:
+        for block_id in pins:
+            self.engine.block_manager.release(block_id)
+
+
+def _error(request_id: str, exc: BaseException) -> tuple:
+    return ("error", request_id, exc)
+
+
+def error_info(exc: BaseException) -> ErrorInfo:
+    """How an exception crosses the process boundary (the client rebuilds an equivalent one)."""
+    from ember.rpc.errors import status_for
+    for kind, cls in (("invalid", InvalidRequestError), ("capacity", CapacityError), ("integrity", IntegrityError)):
+        if isinstance(exc, cls):
+            return ErrorInfo(kind, str(exc))
+    code, message = status_for(exc)
+    if code.name == "INTERNAL":
+        log.error("engine core error", exc_info=exc)
+    return ErrorInfo("status", message, code.name)

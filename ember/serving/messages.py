@@ -1,0 +1,73 @@
+"""What a service sends its engine core and what comes back (torch-free, picklable).
+
+Service -> core: ("add", AddRequest), ("abort", request_id), ("stats", call_id), ("shutdown",).
+Core -> service, one message per loop turn: (events, Snapshot), each event one of
+("out", RequestOutput), ("error", request_id, ErrorInfo), ("stats", call_id, dict).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ember.engine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """How a request's KV meets the site kvstore (L2), carried out by the core's KV connector.
+
+    - pull_from: a kvstore (another site's) holding blocks this site's store lacks; the
+      site store pulls them there first (decode after a remote prefill). Failing is fatal.
+    - read_through: blocks missing from the engine pool (L1) are read from the site store
+      before anything is computed; a failure here only means computing them.
+    - write_back: "sync" stores the request's new full blocks in the site store before its
+      last output is delivered (prefill: decode is about to pull them); "async" stores them
+      in the background (decode: the next turn finds them); "none" skips it.
+    - max_blocks: load at most the prompt's first N full blocks (those the source holds).
+    """
+    pull_from: str = ""
+    read_through: bool = True
+    write_back: str = "async"
+    max_blocks: int | None = None
+
+    def __post_init__(self):
+        if self.write_back not in ("sync", "async", "none"):
+            raise ValueError(f"KVPlan.write_back must be sync, async or none, got {self.write_back!r}")
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    output_prefix: list[int] = field(default_factory=list)
+    plan: KVPlan | None = None  # None: the pool alone (no kvstore)
+    timeout_s: float | None = None  # for the KV transfers this request needs
+    trace_context: dict[str, str] = field(default_factory=dict)  # W3C headers: its KV calls join the trace
+
+
+@dataclass(frozen=True)
+class ErrorInfo:
+    """An error crossing the process boundary: the gRPC status name it maps to and its message."""
+    kind: str  # "invalid" | "capacity" | "integrity" | "status"
+    message: str
+    status: str = ""  # grpc.StatusCode name when kind == "status"
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """Engine gauges after a loop turn (metrics read these without a round trip)."""
+    running: int = 0
+    waiting: int = 0
+    used_blocks: int = 0
+    total_blocks: int = 1
+
+
+@dataclass(frozen=True)
+class CoreInfo:
+    """What the service learns once the core is warm."""
+    pid: int
+    block_size: int
+    root_hash: bytes
+    vocab_size: int
+    max_model_len: int
+    kernels: list[str] = field(default_factory=list)
