@@ -1,13 +1,40 @@
-"""Continuous batching with chunked prefill under a per-step token budget (torch-free).
+"""Continuous batching with TTFT-aware chunked prefill under a per-step token budget (torch-free).
 
-Each step every running sequence gets the tokens it still needs to compute (one for a
-decoding sequence, a chunk for one still prefilling), in admission order, then waiting
-sequences are admitted while budget, sequence slots and KV blocks allow. A sequence
-that cannot grow preempts the most recently admitted one (which gives its blocks back
-and later recomputes, mostly from the prefix cache).
+Each step has `max_num_batched_tokens` tokens to give out:
+
+1. Decoding sequences first (one token each, in admission order), so a prefill never
+   delays the next token of a running stream: the budget is sized (`ember bench budget`)
+   so that a step carrying a full budget still meets the decode TPOT SLO. A budget smaller
+   than the decode batch serves the decoders round-robin (never the same ones left out).
+2. What is left goes to prefill work *one prompt at a time*: the head of the prefill queue
+   takes all it still needs up to the remaining budget, the next one only what is left, and
+   so on. Prompts of a burst therefore finish one after another (the first one's TTFT is
+   its own prefill, not the whole burst's) instead of all finishing together at the end.
+3. A waiting sequence is admitted (its KV blocks allocated) only when it gets prefill
+   tokens in this very step, so queued prompts do not hold blocks they will not use for
+   many steps. A prompt that is fully cached still gets its one last token computed.
+
+Prefill queue order: shortest remaining (uncached) prefill first, with a starvation bound.
+Why not plain FCFS: TTFT is queueing plus own prefill, and running the shortest job first
+minimises the mean (and p50) of it. In agentic traffic the difference is large: a follow-up
+turn whose context is mostly in the prefix cache needs ~100 new tokens, and under FCFS it
+would wait behind a cold 2,500-token first turn that arrived a moment earlier. "Remaining"
+is counted after prefix-cache hits (estimated once when the sequence is first seen waiting,
+exact once admitted), so cached turns jump ahead. A prompt already being prefilled only
+gets shorter, so it stays at the head unless a shorter one arrives. Starvation bound: a
+sequence that was passed over in `starvation_steps` steps (it got no prefill tokens while
+one that arrived after it did) is promoted; promoted sequences go first, in arrival
+order (FCFS), ahead of every unpromoted one. With the budget sized to the TPOT SLO, that
+bounds how long a long prompt can be overtaken to about starvation_steps x SLO.
+
+Preemption: only decoding sequences grow (admission allocates blocks for the whole prompt,
+so a prefill never stalls midway). One that cannot grow preempts the most recently admitted
+sequence, which gives its blocks back (they stay cached) and later recomputes, mostly from
+the prefix cache. No sequence is admitted in a step that preempted.
 """
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -25,16 +52,32 @@ class ScheduledBatch:
         return bool(self.seqs)
 
 
+@dataclass
+class _QueueState:
+    arrival: int  # order of add(): FCFS tie-break and the reference for "passed over"
+    passes: int = 0  # steps in which a later arrival got prefill tokens and this one got none
+    estimate: int | None = None  # uncached prefill tokens while waiting (None: look it up)
+    last_served: int = 0  # when it was last given tokens (a count of grants)
+
+
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 *, starvation_steps: int = 8):
+        if starvation_steps < 0:
+            raise ValueError(f"starvation_steps must be >= 0, got {starvation_steps}")
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.starvation_steps = starvation_steps  # 0: plain FCFS
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._state: dict[int, _QueueState] = {}  # by id(seq): Sequence compares by value, not identity
+        self._arrivals = itertools.count()
+        self._served = 0
 
     def add(self, seq: Sequence) -> None:
+        self._state[id(seq)] = _QueueState(next(self._arrivals))
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -44,52 +87,114 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
-        for seq in list(self.running):
+        # 1. decodes (one token left to compute) first, in admission order; should the budget
+        # not cover them all, the ones left out go first next step (longest since last served)
+        decoders = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
+        if len(decoders) > budget:
+            decoders.sort(key=lambda s: self._st(s).last_served)
+        for seq in decoders:
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            while not bm.can_grow(seq, num_new):
+            while not bm.can_grow(seq, 1):
                 victim = self.running[-1]
-                self._preempt(victim, batch)
+                budget += self._preempt(victim, batch)
                 if victim is seq:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            bm.grow(seq, num_new)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
-            budget -= num_new
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not batch.preempted:
-            seq = self.waiting[0]
-            hits = bm.match_prefix(seq)
-            if not bm.can_allocate(seq, hits):
+            bm.grow(seq, 1)
+            self._put(batch, seq, 1)
+            budget -= 1
+
+        # 2. prefill work, one prompt at a time in queue order; admit only who gets tokens now
+        candidates = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        candidates += self.waiting
+        candidates.sort(key=self._queue_key)
+        admitting = not batch.preempted
+        admitted: set[int] = set()
+        served: set[int] = set()
+        for seq in candidates:
+            if budget == 0:
                 break
-            self.waiting.popleft()
-            bm.allocate(seq, hits)
-            if not seq.admitted_once:
-                seq.num_cached_tokens = seq.num_computed_tokens
-                seq.admitted_once = True
-            seq.status = SeqStatus.RUNNING
-            self.running.append(seq)
+            if seq.status is SeqStatus.WAITING:
+                if not admitting or len(self.running) >= self.max_num_seqs:
+                    continue
+                hits = bm.match_prefix(seq)
+                if not bm.can_allocate(seq, hits):
+                    # Head of line: nothing behind it may take blocks first, or a long prompt
+                    # could wait forever for a pool that shorter ones keep refilling.
+                    admitting = False
+                    continue
+                bm.allocate(seq, hits)
+                if not seq.admitted_once:
+                    seq.num_cached_tokens = seq.num_computed_tokens
+                    seq.admitted_once = True
+                seq.status = SeqStatus.RUNNING
+                self.running.append(seq)
+                admitted.add(id(seq))
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            batch.seqs.append(seq)
-            batch.num_new_tokens.append(num_new)
+            if not bm.can_grow(seq, num_new):  # cannot happen: admission allocated the whole prompt
+                continue
+            bm.grow(seq, num_new)
+            self._put(batch, seq, num_new)
+            served.add(id(seq))
             budget -= num_new
+        if admitted:
+            self.waiting = deque(s for s in self.waiting if id(s) not in admitted)
+
+        # 3. starvation bookkeeping: passed over = got nothing while a later arrival got tokens
+        if served:
+            latest = max(self._st(s).arrival for s in batch.seqs if id(s) in served)
+            for seq in candidates:
+                st = self._st(seq)
+                if id(seq) not in served and st.arrival < latest:
+                    st.passes += 1
         return batch
 
-    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+    def _st(self, seq: Sequence) -> _QueueState:
+        st = self._state.get(id(seq))
+        if st is None:  # put in the queues without add(): it arrives now
+            st = self._state[id(seq)] = _QueueState(next(self._arrivals))
+        return st
+
+    def _queue_key(self, seq: Sequence) -> tuple:
+        st = self._st(seq)
+        if st.passes >= self.starvation_steps:
+            return (0, st.arrival)  # promoted: FCFS among the starved, ahead of everyone else
+        if seq.status is SeqStatus.WAITING:
+            if st.estimate is None:  # once per stay in the queue: match_prefix hashes the prompt
+                hits = self.block_manager.match_prefix(seq)
+                st.estimate = seq.num_tokens - len(hits) * self.block_manager.block_size
+            remaining = st.estimate
+        else:
+            remaining = seq.num_tokens - seq.num_computed_tokens
+        return (1, remaining, st.arrival)
+
+    def _put(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
+        self._served += 1
+        self._st(seq).last_served = self._served
+        batch.seqs.append(seq)
+        batch.num_new_tokens.append(num_new)
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> int:
+        """Preempt seq; return the tokens it had been given this step (back to the budget)."""
         self.running.remove(seq)
-        if seq in batch.seqs:  # already scheduled this step: unschedule it
-            i = batch.seqs.index(seq)
-            del batch.seqs[i], batch.num_new_tokens[i]
+        refund = 0
+        for i, s in enumerate(batch.seqs):
+            if s is seq:  # already scheduled this step: unschedule it
+                refund = batch.num_new_tokens[i]
+                del batch.seqs[i], batch.num_new_tokens[i]
+                break
         self.block_manager.free(seq)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+        self._st(seq).estimate = None  # what is still cached is looked up again
         batch.preempted.append(seq)
+        return refund
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Mark seq finished and give its blocks back (they stay cached until evicted)."""
@@ -100,3 +205,4 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
+        self._state.pop(id(seq), None)
