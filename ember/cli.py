@@ -13,22 +13,22 @@ DEFAULT_CLUSTER_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "loca
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from ember.model.fetch import DEFAULT_MODEL_PATH
     p.add_argument("--model", default=str(DEFAULT_MODEL_PATH), help="GGUF file or HF model folder")
-    p.add_argument("--weights", default=None, choices=["dense", "q4"],
-                   help="q4: serve the GGUF's Q4_1 codes on int4 kernels (bf16 activations; ~3x faster decode); "
-                        "default dense (q4 for `bench agentic`, as llama.cpp serves the same Q4_1 codes)")
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                   help="serving dtype (default: float32; bfloat16 with --weights q4)")
+    p.add_argument("--weights", default=None, choices=["auto", "dense", "q4"],
+                   help="auto (default): a Q4_1 GGUF serves its own codes on int4 kernels (q4, bf16 activations and "
+                        "KV, as llama.cpp serves the file); dense dequantizes (with --dtype float32: the exact path)")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
+                   help="serving dtype (default auto: bfloat16 for q4, float32 for a dense GGUF, an HF "
+                        "checkpoint's own dtype)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = one per core)")
     p.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool size in MiB")
 
 
 def engine_dtype(args) -> str:
-    from ember.model.files import serving_dtype
-    return args.dtype or serving_dtype(engine_weights(args))
+    return args.dtype or "auto"
 
 
 def engine_weights(args) -> str:
-    return args.weights or "dense"
+    return args.weights or "auto"
 
 
 def cmd_generate(args) -> int:

@@ -21,7 +21,8 @@ def engine_config(config: ClusterConfig):
     from ember.engine.config import EngineConfig
     e = config.engine
     return EngineConfig(model=str(config.model_path(REPO_ROOT)), dtype=e.dtype, weights=e.weights,
-                        block_size=e.block_size, kv_cache_bytes=e.kv_cache_mb * 2**20, num_threads=e.threads,
+                        block_size=e.block_size, kv_cache_bytes=e.kv_cache_mb * 2**20 if e.kv_cache_mb else None,
+                        kv_cache_memory_fraction=e.kv_cache_memory_fraction, num_threads=e.threads,
                         max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens)
 
 

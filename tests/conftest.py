@@ -46,7 +46,8 @@ def loaded(model_path):
 def engine(loaded):
     from ember.engine.config import EngineConfig
     from ember.engine.engine import LLMEngine
-    return LLMEngine(EngineConfig(kv_cache_bytes=256 * 2**20, num_threads=2), loaded=loaded)
+    return LLMEngine(EngineConfig(dtype="float32", weights="dense", kv_cache_bytes=256 * 2**20, num_threads=2),
+                     loaded=loaded)
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +58,9 @@ def make_engine(loaded):
 
     def make(**overrides) -> LLMEngine:
         overrides.setdefault("num_threads", 2)
+        overrides.setdefault("dtype", "float32")  # the exact path, like `loaded`
+        overrides.setdefault("weights", "dense")
+        overrides.setdefault("kv_cache_bytes", 512 * 2**20)
         return LLMEngine(EngineConfig(**overrides), loaded=loaded)
     return make
 

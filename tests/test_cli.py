@@ -14,7 +14,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 
 def test_generate_chat_streams_the_engines_answer(engine):
     question = "What is the capital of France?"
-    proc = run_cli("--chat", "--max-tokens", "12", question)
+    proc = run_cli("--chat", "--max-tokens", "12", "--weights", "dense", "--dtype", "float32", question)
     assert proc.returncode == 0, proc.stderr
     prompt = engine.tokenizer.apply_chat_template([{"role": "user", "content": question}])
     [want] = engine.generate([prompt], SamplingParams(max_tokens=12))

@@ -48,12 +48,16 @@ class LLMEngine:
         torch.set_num_threads(config.threads)
         self.config = config
         self.loaded = loaded or load_model(config.model, config.dtype, config.weights)
+        loaded_dtype = str(self.loaded.model.norm.weight.dtype).removeprefix("torch.")
+        if (self.loaded.weights, loaded_dtype) != (config.weights, config.dtype):
+            raise ValueError(f"the model was loaded as weights={self.loaded.weights!r}, dtype={loaded_dtype!r} but "
+                             f"the config says {config.weights!r}, {config.dtype!r}; load it with the config's values")
         self.tokenizer = self.loaded.tokenizer
         args = self.loaded.args
         self.max_model_len = min(config.max_model_len or args.max_position, args.max_position)
         self.layout = KVLayout(self.loaded.fingerprint, config.dtype, config.block_size,
                                args.num_layers, args.num_kv_heads, args.head_dim)
-        num_blocks = config.num_kv_blocks or config.kv_cache_bytes // self.layout.block_bytes
+        num_blocks = config.num_kv_blocks or config.pool_bytes() // self.layout.block_bytes
         self.cache = PagedKVCache(self.layout, num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, root_hash(self.layout))
         self.frame_template = wire.layout_header(self.layout, self.block_manager.root_hash)  # what frames must say

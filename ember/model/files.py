@@ -47,6 +47,54 @@ def serving_dtype(weights: str) -> str:
 
 
 WEIGHTS = ("dense", "q4")
+DTYPES = ("float32", "bfloat16")
+
+
+def resolve_serving(path: str | Path, dtype: str = "auto", weights: str = "auto") -> tuple[str, str]:
+    """The (dtype, weights) a model serves with; "auto" picks the default for the file.
+
+    A GGUF whose layers are Q4_1 serves its own codes on int4 kernels with bf16 activations
+    and KV, as llama.cpp serves the file (lossless with respect to it); any other GGUF, and
+    `weights="dense"`, dequantizes to fp32 (the exact path, equal to transformers). An HF
+    folder serves dense in its checkpoint's dtype (bf16 stays bf16, anything else fp32).
+    """
+    path = Path(path)
+    if weights == "auto":
+        weights = "q4" if dtype in ("auto", "bfloat16") and _is_q4_1_gguf(path) else "dense"
+    if dtype == "auto":
+        if weights == "q4":
+            dtype = "bfloat16"
+        elif path.suffix != ".gguf" and (path / "config.json").exists():
+            cfg = json.loads((path / "config.json").read_text())
+            dtype = "bfloat16" if (cfg.get("torch_dtype") or cfg.get("dtype")) == "bfloat16" else "float32"
+        else:
+            dtype = "float32"
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be 'auto' or one of {DTYPES}, got {dtype!r}")
+    check_weights(path, dtype, weights)
+    return dtype, weights
+
+
+def _is_q4_1_gguf(path: Path) -> bool:
+    if path.suffix != ".gguf":
+        return False
+    if not path.exists():
+        return True  # the default model's file, not fetched yet; loading will say so
+    meta_path = cache_dir_for(path) / "ember.json"  # the converter records the layer types
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        stat = path.stat()
+        if "layer_types" in meta and (meta.get("source_size"), meta.get("source_mtime_ns")) == (
+                stat.st_size, stat.st_mtime_ns):
+            return meta["layer_types"] == ["Q4_1"]
+    from gguf import GGUFReader  # reads the whole header: seconds
+    return gguf_layer_types(GGUFReader(path)) == ["Q4_1"]
+
+
+def gguf_layer_types(reader) -> list[str]:
+    """The quantization types of a GGUF's decoder-layer matrices (what `weights="auto"` decides on)."""
+    return sorted({t.tensor_type.name for t in reader.tensors
+                   if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2})
 
 
 def check_weights(path: str | Path, dtype: str, weights: str) -> None:

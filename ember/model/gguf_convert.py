@@ -16,9 +16,10 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
+from ember.model.files import gguf_layer_types
 from ember.model.llama import ModelArgs
 
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: ember.json records layer_types
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
@@ -130,7 +131,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, fingerprint: str) -> None:
     (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=1))
     (tmp / "config.json").write_text(json.dumps(args.to_hf_config(), indent=1))
     (tmp / "ember.json").write_text(json.dumps(
-        {"fingerprint": fingerprint, "source": gguf_path.name, "converter_version": CONVERTER_VERSION}))
+        {"fingerprint": fingerprint, "source": gguf_path.name, "converter_version": CONVERTER_VERSION,
+         "layer_types": gguf_layer_types(reader)}))
     if out_dir.exists():
         import shutil
         shutil.rmtree(out_dir)

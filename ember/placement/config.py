@@ -113,18 +113,22 @@ class Policy(Strict):
 
 
 class EngineSettings(Strict):
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    weights: Literal["dense", "q4"] = "dense"  # q4: the GGUF's Q4_1 codes on int4 kernels (needs bfloat16)
+    # auto: a Q4_1 GGUF serves its own codes on int4 kernels with bf16 KV (ember.model.files.resolve_serving);
+    # weights dense + dtype float32 is the exact path
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    weights: Literal["auto", "dense", "q4"] = "auto"
     block_size: int = Field(16, gt=0)
-    kv_cache_mb: int = Field(256, gt=0)
+    kv_cache_mb: int | None = Field(None, gt=0)  # a fixed pool size; default: kv_cache_memory_fraction
+    kv_cache_memory_fraction: float = Field(0.1, gt=0, le=0.9)  # of the memory available when the engine starts
     threads: int = Field(2, ge=0)
     max_num_seqs: int = Field(64, gt=0)
     max_num_batched_tokens: int = Field(1024, gt=0)
 
     @model_validator(mode="after")
     def _q4_needs_bf16(self):
-        if self.weights == "q4" and self.dtype != "bfloat16":
-            raise ValueError("engine.weights 'q4' needs engine.dtype 'bfloat16' (torch's int4 CPU kernels take bf16)")
+        if self.weights == "q4" and self.dtype == "float32":
+            raise ValueError("engine.weights 'q4' needs engine.dtype 'bfloat16' or 'auto' "
+                             "(torch's int4 CPU kernels take bf16)")
         return self
 
 

@@ -7,7 +7,7 @@ import json
 from ember.cluster.wan import parse_routes
 from ember.kv.block_hash import KVLayout, root_hash
 from ember.kv.directory import MemoryDirectory, RedisDirectory
-from ember.model.files import folder_fingerprint, model_folder, weights_fingerprint
+from ember.model.files import folder_fingerprint, model_folder, resolve_serving, weights_fingerprint
 from ember.model.tokenizer import Tokenizer
 from ember.placement.policy import Placer
 from ember.rpc import metrics
@@ -23,6 +23,7 @@ from services.router.stubs import SiteStubs
 async def main(args) -> None:
     config = load(args)
     folder = model_folder(config.model_path(REPO_ROOT))  # the loaders' HF-layout folder (torch-free read)
+    dtype, weights = resolve_serving(config.model_path(REPO_ROOT), config.engine.dtype, config.engine.weights)
     hf_config = json.loads((folder / "config.json").read_text())
     # Redis when configured; otherwise this router hosts an in-memory directory the kvstores publish to
     directory = RedisDirectory(config.directory, config.directory_ttl_s) if config.directory \
@@ -32,7 +33,7 @@ async def main(args) -> None:
         max_model_len=hf_config["max_position_embeddings"], vocab_size=hf_config["vocab_size"],
         placer=Placer(config), stubs=SiteStubs(config, parse_routes(args.route)),
         block_size=config.engine.block_size, root_hash=root_hash(KVLayout(
-            weights_fingerprint(folder_fingerprint(folder), config.engine.weights), config.engine.dtype,
+            weights_fingerprint(folder_fingerprint(folder), weights), dtype,
             config.engine.block_size, hf_config["num_hidden_layers"],
             hf_config.get("num_key_value_heads", hf_config["num_attention_heads"]), hf_config.get("head_dim") or
             hf_config["hidden_size"] // hf_config["num_attention_heads"])),

@@ -1,0 +1,274 @@
+"""The engine core and its KV connector: subprocess vs in-process clients, holds until
+admission, the hold deadlock breaker, L2 read-through under a pool too small for every
+session (a real kvstore process), and engine-core death."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
+
+import grpc
+import psutil
+import pytest
+
+from ember.cluster.ports import free_port
+from ember.engine.config import EngineConfig
+from ember.engine.sampling_params import SamplingParams
+from ember.kv.block_hash import chain_hashes
+from ember.serving.engine_client import InProcessEngineClient, SubprocessEngineClient
+from ember.serving.engine_core import EngineCore
+from ember.serving.messages import AddRequest, KVPlan
+from tests.conftest import LONG_TEXT, PROMPTS
+
+pytestmark = pytest.mark.slow
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+def run(coro, timeout=240):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+async def collect(client, ids, params=GREEDY, request_id="r", **kw) -> list[int]:
+    tokens = []
+    async for out in client.generate(ids, params, request_id, **kw):
+        tokens.extend(out.new_token_ids)
+    return tokens
+
+
+def test_in_process_and_subprocess_clients_give_identical_tokens(make_engine, model_path):
+    engine = make_engine(kv_cache_bytes=64 * 2**20)
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:4]]
+
+    async def go():
+        local = InProcessEngineClient(engine)
+        try:
+            expected = await asyncio.gather(*(collect(local, ids, request_id=f"l{i}") for i, ids in enumerate(prompts)))
+        finally:
+            local.close()
+        remote = await SubprocessEngineClient.start(EngineConfig(model=str(model_path), num_threads=1,
+                                                                 kv_cache_bytes=64 * 2**20))
+        try:
+            assert remote.info.pid != os.getpid() and remote.info.block_size == 16
+            got = await asyncio.gather(*(collect(remote, ids, request_id=f"s{i}") for i, ids in enumerate(prompts)))
+            stats = await remote.stats()
+        finally:
+            remote.close()
+        assert got == expected and all(len(t) == 12 for t in got)
+        assert stats["running"] == 0 and stats["used_blocks"] == 0 and stats["held_blocks"] == 0
+    run(go())
+
+
+def test_subprocess_core_errors_keep_their_status(model_path):
+    from ember.engine.errors import InvalidRequestError
+
+    async def go():
+        remote = await SubprocessEngineClient.start(EngineConfig(model=str(model_path), num_threads=1,
+                                                                 kv_cache_bytes=16 * 2**20))
+        try:
+            with pytest.raises(InvalidRequestError, match="token ids must be in"):
+                await collect(remote, [10**7])
+            assert await collect(remote, [1, 2, 3], request_id="after") != []  # still serving
+        finally:
+            remote.close()
+    run(go())
+
+
+def test_killing_the_engine_core_fails_streams_within_two_seconds(model_path):
+    async def go():
+        died = asyncio.Event()
+        remote = await SubprocessEngineClient.start(EngineConfig(model=str(model_path), num_threads=1,
+                                                                 kv_cache_bytes=128 * 2**20), on_death=died.set)
+        stream = remote.generate([1, 2, 3, 4], SamplingParams(max_tokens=2000, ignore_eos=True), "long")
+        await stream.__anext__()  # decoding
+        os.kill(remote.info.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        from ember.rpc.errors import RpcError
+        with pytest.raises(RpcError) as e:
+            async for _ in stream:
+                pass
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - killed < 2.0
+        await asyncio.wait_for(died.wait(), 2.0)
+        assert not remote.alive
+        with pytest.raises(RpcError):  # new requests are refused at once, not queued forever
+            await collect(remote, [1, 2, 3], request_id="next")
+        remote.close()
+    run(go())
+
+
+class LoopbackConnector:
+    """An in-memory L2 (unit tests only): blocks exported by another engine, leased by nobody."""
+
+    def __init__(self, frames: dict[bytes, bytes], template):
+        import concurrent.futures
+        self.frames, self.template, self.futures = frames, template, concurrent.futures
+        self.loads = 0
+
+    def _done(self, value):
+        f = self.futures.Future()
+        f.set_result(value)
+        return f
+
+    def load(self, hashes, pull_from, timeout, trace_context=None):
+        from ember.kv import wire
+        from ember.rpc.kv_connector import Loaded
+        self.loads += 1
+        payloads = {h: wire.decode_frame(self.frames[h], self.template, block_hash=h)
+                    for h in hashes if h in self.frames}
+        return self._done(Loaded(hashes, payloads, 0, 0, 0, 0.0))
+
+    def lookup(self, hashes, timeout=None, trace_context=None):
+        return self._done([h in self.frames for h in hashes])
+
+    def release(self, lease_id, check=True):
+        return self._done(None)
+
+    def store(self, frames, timeout=None, trace_context=None):
+        new = [h for h, _ in frames if h not in self.frames]
+        self.frames.update(frames)
+        return self._done((len(new), len(frames) - len(new)))
+
+
+def drive(core: EngineCore, requests: list[AddRequest], max_turns: int = 5000) -> dict[str, list[int]]:
+    tokens = {r.request_id: [] for r in requests}
+    done = set()
+    for r in requests:
+        for event in core.add(r):
+            raise AssertionError(f"add failed: {event}")
+    if not requests:
+        return tokens
+    for _ in range(max_turns):
+        for event in core.turn():
+            assert event[0] == "out", event
+            tokens[event[1].request_id].extend(event[1].new_token_ids)
+            if event[1].finished:
+                done.add(event[1].request_id)
+        if len(done) == len(requests):
+            return tokens
+    raise AssertionError(f"no progress: {len(done)}/{len(requests)} finished")
+
+
+def test_imported_blocks_are_held_until_admission_and_no_hold_deadlocks(make_engine):
+    source = make_engine(kv_cache_bytes=64 * 2**20)
+    texts = [LONG_TEXT[i * 300:i * 300 + 1500] for i in range(2)]
+    prompts = [source.tokenizer.encode(t) for t in texts]
+    frames = {}
+    for ids in prompts:
+        source.generate([ids], replace(GREEDY, max_tokens=1))
+        hashes = chain_hashes(ids, 16, source.block_manager.root_hash)
+        frames.update(zip(hashes, source.export_frames(hashes)))
+    expected = [c.token_ids for c in source.generate(prompts, GREEDY)]
+    blocks_each = -(-max(len(p) for p in prompts) // 16) + 1
+    # a pool that holds one request's imported blocks plus its growth, not both requests'
+    engine = make_engine(num_kv_blocks=blocks_each + 4)
+    connector = LoopbackConnector(frames, engine.frame_template)
+    core = EngineCore(engine, connector)
+    plan = KVPlan(read_through=True, write_back="none")
+    requests = [AddRequest(f"r{i}", ids, GREEDY, plan=plan) for i, ids in enumerate(prompts)]
+    # turn 0 imports both: the first request's blocks are held while the second's import
+    # finds no free block; the first is then admitted with every imported block a hit
+    got = drive(core, requests)
+    assert [got["r0"], got["r1"]] == expected
+    assert core.tiers.holds_dropped == 1  # both held what the other needed: the younger let go
+    assert core.tiers.tokens_l2 > 0 and core.stats()["held_blocks"] == 0
+    assert engine.block_manager.num_used_blocks == 0
+    first_full = (len(prompts[0]) - 1) // 16 * 16
+    assert core.tiers.tokens_l2 >= first_full  # request 0 computed none of its imported prefix
+
+
+def test_l1_hits_are_pinned_against_eviction_until_admission(make_engine):
+    engine = make_engine(num_kv_blocks=120)
+    ids = engine.tokenizer.encode(LONG_TEXT[:1200])
+    engine.generate([ids], replace(GREEDY, max_tokens=1))  # ids' blocks are cached, unreferenced
+    core = EngineCore(engine, LoopbackConnector({}, engine.frame_template))
+    assert core.add(AddRequest("hit", ids, GREEDY, plan=KVPlan(write_back="none"))) == []
+    bm = engine.block_manager
+    assert core.stats()["held_blocks"] == len(ids) // 16
+    taken = [bm._take_fresh() for _ in range(bm.num_free_blocks)]  # another request takes every free block
+    hashes = chain_hashes(ids, 16, bm.root_hash)
+    assert all(h in bm.cached for h in hashes)  # none of the held blocks was evicted
+    for block_id in taken:
+        bm.release(block_id)
+    while engine.has_unfinished():  # admitted at the first step, then run to the end
+        core.turn()
+        assert core.stats()["held_blocks"] == 0
+    assert core.tiers.tokens_l1 == len(ids) // 16 * 16 and bm.num_used_blocks == 0
+
+
+@pytest.fixture()
+def kvstore_process(tmp_path):
+    address = f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "services.kvstore", "--listen", address, "--capacity-mb", "256"],
+                            stdout=open(tmp_path / "kv.log", "w"), stderr=subprocess.STDOUT)
+    from ember.cluster.launcher import wait_serving
+    try:
+        wait_serving(address, time.monotonic() + 60, proc, tmp_path / "kv.log")
+        yield address
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def test_a_follow_up_turn_reads_its_history_through_from_the_site_kvstore(make_engine, kvstore_process):
+    """Pool far too small for 4 sessions: each follow-up turn computes only its new tokens."""
+    from ember.rpc.kv_connector import KVConnector
+    small = make_engine(num_kv_blocks=50)  # one session at a time
+    big = make_engine(kv_cache_bytes=128 * 2**20)
+    sessions = [small.tokenizer.encode(f"Session {i}. " + LONG_TEXT[i * 500:i * 500 + 2600]) for i in range(4)]
+    follow_up = small.tokenizer.encode(" And what came next for the harbour town?")
+    plan = KVPlan(read_through=True, write_back="async")
+
+    async def go():
+        connector = KVConnector(kvstore_process, small.frame_template)
+        client = InProcessEngineClient(small, connector)
+        try:
+            for i, ids in enumerate(sessions):  # turn 1 of every session: computed, written back
+                await collect(client, ids, request_id=f"t1-{i}", plan=plan)
+            deadline = time.monotonic() + 10
+            while (await client.stats())["blocks_written_back"] < sum(len(s) // 16 for s in sessions):
+                assert time.monotonic() < deadline, "write-back did not complete"
+                await asyncio.sleep(0.05)
+            before = await client.stats()
+            got = []
+            for i, ids in enumerate(sessions):  # turn 2: history evicted from the pool long ago
+                got.append(await collect(client, ids + follow_up, request_id=f"t2-{i}", plan=plan))
+            after = await client.stats()
+        finally:
+            client.close()
+        computed = after["tokens_computed"] - before["tokens_computed"]
+        from_l2 = after["tokens_l2"] - before["tokens_l2"]
+        new_tokens = sum(len(s + follow_up) - len(s) // 16 * 16 for s in sessions)
+        assert computed == new_tokens, (computed, new_tokens)
+        assert from_l2 == sum(len(s) // 16 * 16 for s in sessions)
+        assert got == [c.token_ids for c in big.generate([s + follow_up for s in sessions], GREEDY)]
+    run(go())
+
+
+def test_a_killed_engine_core_makes_its_service_not_serving_and_streams_unavailable(tmp_path, model_path):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from ember.client import RouterClient
+    from ember.cluster.launcher import running
+    from tests.cluster_fixture import write_config
+    addr = write_config(tmp_path / "cluster.yaml")
+    with running(tmp_path / "cluster.yaml", tmp_path, timeout_s=240), RouterClient(addr["router"]) as client:
+        [decode] = [p for p in psutil.process_iter(["cmdline"])
+                    if "services.decode" in (p.info["cmdline"] or []) and str(tmp_path) in " ".join(p.info["cmdline"])]
+        [core] = [c for c in decode.children() if "ember.serving.core_process" in c.cmdline()]
+        stream = client.stream(text="Count slowly: one, two, three,", max_tokens=2000, ignore_eos=True, timeout=120)
+        next(stream), next(stream)  # decoding at the edge
+        core.kill()
+        killed = time.monotonic()
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in stream:
+                pass
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - killed < 2.0
+        with grpc.insecure_channel(addr["decode"]) as ch:
+            deadline = time.monotonic() + 2
+            while (status := health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status) \
+                    != health_pb2.HealthCheckResponse.NOT_SERVING:
+                assert time.monotonic() < deadline, status
+                time.sleep(0.05)
