@@ -12,7 +12,9 @@ TORCH_FREE = ["ember.kv.block_hash", "ember.kv.chunks", "ember.kv.transfer", "em
               "ember.kv.wire", "ember.kv.codec", "ember.kv.shm", "ember.kv.directory", "services.kvstore.pull",
               "services.kvstore.publisher", "ember.placement.config", "ember.placement.policy",
               "ember.placement.simulate", "ember.placement.trace", "ember.placement.cli", "ember.cluster.wan",
-              "ember.rpc.site_kv"]
+              "ember.rpc.site_kv", "ember.rpc.kv_connector", "ember.engine.outputs", "ember.serving.messages",
+              # the service process of an engine-backed service: the model lives in its engine core
+              "ember.serving.engine_client", "services.prefill.service", "services.decode.service"]
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -35,7 +35,7 @@ from ember.bench.agentic_systems import (
 )
 from ember.bench.agentic_workload import Session, advance, sessions
 from ember.bench.measure import matmul_gflops, progress, write_result
-from ember.model.files import serving_dtype
+from ember.model.files import resolve_serving, serving_dtype
 
 SYSTEMS = ("llama-server", "transformers", "ember-colocated", "ember-disagg")
 
@@ -86,7 +86,8 @@ def main(args) -> int:
     if unknown:
         raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
     plan = phases(args.quick)
-    weights = args.weights or "q4"  # the Q4_1 codes llama.cpp serves too
+    # the shipped default (a Q4_1 GGUF: its own codes, as llama.cpp serves them) unless --weights says
+    weights = resolve_serving(args.model, weights=args.weights or "auto")[1]
     slo, arrival = (args.slo_ttft, args.slo_tpot), args.arrival_rate
     out = Path(args.output)
     result: dict = {"model": Path(args.model).name, "threads": threads, "ember_weights": weights,
@@ -99,6 +100,7 @@ def main(args) -> int:
 
     async def one_phase(system, phase: str, size: dict) -> dict:
         kv_before = await system.kv_bytes_moved() if hasattr(system, "kv_bytes_moved") else None
+        tiers_before = await system.tiers() if hasattr(system, "tiers") else None
         records, wall = await run_phase(system, phase, seed=1 if phase != "streams16" else 2,
                                         arrival_rate=arrival if phase == "replay" else 0.0, **size)
         if phase == "single_stream":  # once warm: the figure is the second stream
@@ -106,6 +108,11 @@ def main(args) -> int:
         summary = summarize(records, wall, *slo)
         if kv_before is not None:
             summary["kv_bytes_moved"] = await system.kv_bytes_moved() - kv_before
+        if tiers_before is not None:  # prompt tokens by where their KV came from (engine counters)
+            after = await system.tiers()
+            moved = {t: after[t] - tiers_before[t] for t in after}
+            summary["prompt_tokens_by_tier"] = moved | {
+                f"{t}_fraction": v / max(1, sum(moved.values())) for t, v in moved.items()}
         if phase == "single_stream":
             r = records[0]
             summary["decode_tok_per_s"] = (r.output_tokens - 1) / (r.e2e_s - r.ttft_s)
@@ -147,7 +154,8 @@ def main(args) -> int:
             llama_log.parent.mkdir(parents=True, exist_ok=True)
             llama_log.write_bytes(b"")
         if name == "ember-disagg":
-            run_cluster(args.model, threads, weights, lambda make: asyncio.run(measure(make, "ember-disagg")))
+            result["ember_disagg_config"] = run_cluster(args.model,
+                                                        lambda make: asyncio.run(measure(make, "ember-disagg")))
         else:
             asyncio.run(measure(in_process[name], name))
         gc.collect()
@@ -178,24 +186,28 @@ class ManagedLlamaServer(LlamaServer):
         await super().close()
 
 
-def run_cluster(model: str, threads: int, weights: str, body) -> None:
-    """Start the local two-site cluster (prefill + decode + two kvstores + router), run body, stop it."""
-    from ember.cluster.launcher import running
-    from ember.cluster.ports import write_local_config
+def run_cluster(model: str, body, config: Path | None = None) -> dict:
+    """Start the shipped local cluster (configs/local.yaml: prefill + decode + two kvstores + router,
+    its engine settings untouched) on free ports, run body, stop it; returns the engine settings."""
+    from ember.cluster.config import load_config
+    from ember.cluster.launcher import REPO_ROOT, running
+    from ember.cluster.ports import on_free_ports
     from ember.kv.block_hash import KVLayout
-    from ember.model.files import model_folder
+    from ember.model.files import model_folder, resolve_serving
     from ember.model.llama import ModelArgs
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp)
-        dtype = serving_dtype(weights)
-        write_local_config(run_dir / "cluster.yaml", str(Path(model).resolve()), kvstore_capacity_mb=1024,
-                           kv_cache_mb=768, threads=threads, dtype=dtype, weights=weights)
+        on_free_ports(config or REPO_ROOT / "configs" / "local.yaml", run_dir / "cluster.yaml", model)
+        engine = load_config(run_dir / "cluster.yaml").engine.model_dump()  # effective settings, defaults included
+        dtype, weights = resolve_serving(model, engine["dtype"], engine["weights"])
         with running(run_dir / "cluster.yaml", run_dir, timeout_s=300):
             services = json.loads((run_dir / "services.json").read_text())
             kvstores = [v["address"] for k, v in services.items() if k.startswith("kvstore")]
+            engines = [v["metrics"] for k, v in services.items() if k.startswith(("prefill", "decode"))]
             a = ModelArgs.from_hf_config(json.loads((model_folder(model) / "config.json").read_text()))
             block_bytes = KVLayout("", dtype, 16, a.num_layers, a.num_kv_heads, a.head_dim).block_bytes
-            body(lambda: EmberCluster(services["router"]["address"], kvstores, block_bytes))
+            body(lambda: EmberCluster(services["router"]["address"], kvstores, block_bytes, engines))
+        return engine | {"dtype": dtype, "weights": weights}
 
 
 def prefill_roofline(model: str, threads: int, weights: str, quick: bool) -> dict:

@@ -34,10 +34,25 @@ def summarize(records: list[Record], wall_s: float, slo_ttft_s: float, slo_tpot_
         "computed_prompt_tokens": prompt - sum(r.cached_tokens for r in records),
         "slo": {"ttft_s": slo_ttft_s, "tpot_s": slo_tpot_s, "met_fraction": len(good) / max(1, len(records)),
                 "goodput_req_per_s": len(good) / wall_s},
+        "cache_hit_of_cacheable": cacheable_hit_rate(records),
         "ttft_by_turn": {str(t): statistics.median(r.ttft_s for r in records if r.turn == t)
                          for t in sorted({r.turn for r in records})},
         "records": [asdict(r) | {"tpot_s": r.tpot_s} for r in records],
     }
+
+
+def cacheable_hit_rate(records: list[Record], block: int = 16) -> float | None:
+    """Cached prompt tokens of turns >= 2 over what was cacheable: the previous turn's prompt and
+    answer (all but this turn's new tokens), in whole blocks, leaving the last prompt token to compute."""
+    prev, cacheable, hit = {}, 0, 0
+    for r in sorted(records, key=lambda r: (r.session, r.turn)):
+        p = prev.get(r.session)
+        if r.turn >= 2 and p is not None:
+            can = min((p.prompt_tokens + p.output_tokens - 1) // block, (r.prompt_tokens - 1) // block) * block
+            cacheable += can
+            hit += min(r.cached_tokens, can)
+        prev[r.session] = r
+    return hit / cacheable if cacheable else None
 
 
 def _ratio(mine: dict, peer: dict, *keys) -> float | None:
@@ -59,6 +74,10 @@ def targets(result: dict) -> dict:
         out[f"{name}: output tok/s / llama-server (16 streams)"] = _target(r, 2.0, r is not None and r >= 2.0)
         r = _ratio(single.get(name), single.get(peer), "decode_tok_per_s")
         out[f"{name}: single-stream decode / llama-server"] = _target(r, 1.0, r is not None and r >= 1.0)
+        r = _ratio(replay.get(name), replay.get(peer), "wall_s")
+        out[f"{name}: whole replay / llama-server"] = _target(r, 0.5, r is not None and r <= 0.5)
+        r = (replay.get(name) or {}).get("cache_hit_of_cacheable")
+        out[f"{name}: cached / cacheable prompt tokens (turn>=2)"] = _target(r, 0.95, r is not None and r >= 0.95)
     roof = result.get("prefill_roofline", {})
     frac = roof.get("fraction_of_roofline")
     out["ember prefill / matmul roofline"] = _target(frac, 0.85, frac is not None and frac >= 0.85)

@@ -65,7 +65,7 @@ class _Timer:
 class EmberCluster:
     name = "ember-disagg"
 
-    def __init__(self, router: str, kvstores: list[str], block_bytes: int):
+    def __init__(self, router: str, kvstores: list[str], block_bytes: int, engine_metrics: list[str] = ()):
         import grpc
 
         from ember.v1 import kvstore_pb2_grpc, router_pb2_grpc
@@ -74,6 +74,7 @@ class EmberCluster:
         self.kv_channels = [grpc.aio.insecure_channel(a) for a in kvstores]
         self.kv_stubs = [kvstore_pb2_grpc.KVStoreStub(c) for c in self.kv_channels]
         self.block_bytes = block_bytes
+        self.engine_metrics = list(engine_metrics)
 
     async def turn(self, s: Session, max_tokens: int) -> tuple[str, Record]:
         from ember.v1 import common_pb2, router_pb2
@@ -90,6 +91,18 @@ class EmberCluster:
                 timer.record.output_tokens = usage.completion_tokens
                 timer.record.prompt_tokens, timer.record.cached_tokens = usage.prompt_tokens, usage.cached_tokens
         return "".join(text), timer.done()
+
+    async def tiers(self) -> dict[str, float]:
+        """Prompt tokens by KV tier, summed over the engine services (their Prometheus /metrics)."""
+        from prometheus_client.parser import text_string_to_metric_families
+        totals = {"l1": 0.0, "l2": 0.0, "computed": 0.0}
+        for address in self.engine_metrics:
+            text = await asyncio.to_thread(_http_get, f"http://{address}/metrics")
+            for family in text_string_to_metric_families(text):
+                if family.name == "ember:prompt_tokens_by_tier":
+                    for sample in family.samples:
+                        totals[sample.labels["tier"]] += sample.value
+        return totals
 
     async def kv_bytes_moved(self) -> int:
         """KV bytes the site kvstores took in so far (prefill's puts + pulls between sites)."""
@@ -108,14 +121,15 @@ class EmberCluster:
 class EmberColocated:
     name = "ember-colocated"
 
-    def __init__(self, model: str, threads: int, weights: str):
+    def __init__(self, model: str, threads: int, weights: str = "auto"):
         from ember.engine.config import EngineConfig
         from ember.engine.engine import LLMEngine
-        from ember.model.files import serving_dtype
         from ember.serving.engine_client import InProcessEngineClient
-        config = EngineConfig(model=model, dtype=serving_dtype(weights), weights=weights, num_threads=threads,
-                              kv_cache_bytes=768 * 2**20)
-        self.engine = InProcessEngineClient(LLMEngine(config))
+        self.engine = InProcessEngineClient(LLMEngine(EngineConfig(model=model, weights=weights, num_threads=threads)))
+
+    async def tiers(self) -> dict[str, float]:
+        t = self.engine.core.tiers
+        return {"l1": t.tokens_l1, "l2": t.tokens_l2, "computed": t.tokens_computed}
 
     async def turn(self, s: Session, max_tokens: int) -> tuple[str, Record]:
         from ember.engine.sampling_params import SamplingParams
@@ -133,6 +147,12 @@ class EmberColocated:
 
     async def close(self) -> None:
         self.engine.close()
+
+
+def _http_get(url: str) -> str:
+    import urllib.request
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return response.read().decode()
 
 
 class Transformers:

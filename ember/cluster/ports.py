@@ -40,3 +40,29 @@ def write_local_config(path: Path, model: str, kvstore_capacity_mb: int = 256, d
         config["kvstore_shared_memory"] = False
     path.write_text(yaml.safe_dump(config))
     return addr
+
+
+ADDRESS_KEYS = ("router", "router_http", "prefill", "decode", "kvstore", "kvstore_data")
+
+
+def on_free_ports(source: Path, path: Path, model: str | None = None) -> dict:
+    """Copy the cluster config `source` to `path` with every address moved to a free loopback port
+    and the model path made absolute; everything else (engine, kvstore, policy) as shipped."""
+    config = yaml.safe_load(Path(source).read_text())
+    taken: set[int] = set()
+
+    def fresh() -> str:
+        while (port := free_port()) in taken:
+            pass
+        taken.add(port)
+        return f"127.0.0.1:{port}"
+    for holder in (config, *config.get("sites", [])):
+        for key in ADDRESS_KEYS:
+            if holder.get(key):
+                holder[key] = fresh()
+    model_path = Path(model or config["model"])
+    if not model_path.is_absolute():
+        model_path = (Path(source).resolve().parents[1] / model_path).resolve()  # configs/ sits at the repo root
+    config["model"] = str(model_path)
+    path.write_text(yaml.safe_dump(config))
+    return config

@@ -26,6 +26,8 @@ RPC_ERRORS = Counter("ember:request_errors", "Calls that ended in an error, by g
 RUNNING = Gauge("ember:num_requests_running", "Sequences in the running batch")
 WAITING = Gauge("ember:num_requests_waiting", "Sequences waiting for admission")
 KV_USAGE = Gauge("ember:kv_cache_usage_perc", "Fraction of the paged KV pool referenced by sequences")
+PROMPT_TOKENS_BY_TIER = Gauge("ember:prompt_tokens_by_tier", "Prompt tokens of finished requests by where their KV "
+                              "came from: l1 (engine pool), l2 (site kvstore), computed", ["tier"])
 PREFIX_QUERIES = Counter("ember:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
 PREFIX_HITS = Counter("ember:prefix_cache_hits", "Prompt tokens found in the prefix cache")
 # kvstore (its counters live in BlockStore.stats and are read at scrape time)
@@ -58,6 +60,8 @@ def watch_engine(client) -> None:
     RUNNING.set_function(lambda: client.snapshot.running)
     WAITING.set_function(lambda: client.snapshot.waiting)
     KV_USAGE.set_function(lambda: client.snapshot.used_blocks / max(1, client.snapshot.total_blocks))
+    for tier in ("l1", "l2", "computed"):
+        PROMPT_TOKENS_BY_TIER.labels(tier).set_function(lambda t=tier: getattr(client.snapshot, f"tokens_{t}"))
 
 
 def watch_store(store) -> None:

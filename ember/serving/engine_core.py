@@ -127,8 +127,9 @@ class EngineCore:
 
     def snapshot(self) -> Snapshot:
         engine, bm = self.engine, self.engine.block_manager
+        t = self.tiers
         return Snapshot(len(engine.scheduler.running), len(engine.scheduler.waiting) + len(self.pending),
-                        bm.num_used_blocks, bm.num_blocks)
+                        bm.num_used_blocks, bm.num_blocks, t.tokens_l1, t.tokens_l2, t.tokens_computed)
 
     # -- the loop turn -----------------------------------------------------------------------
     def has_work(self) -> bool:

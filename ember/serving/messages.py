@@ -60,6 +60,9 @@ class Snapshot:
     waiting: int = 0
     used_blocks: int = 0
     total_blocks: int = 1
+    tokens_l1: int = 0  # prompt tokens served from the engine pool, since start
+    tokens_l2: int = 0  # from the site kvstore
+    tokens_computed: int = 0
 
 
 @dataclass(frozen=True)
