@@ -156,7 +156,7 @@ def main(args) -> int:
     progress("loading Ember (float32, bfloat16) and transformers")
     systems = {}
     for dtype in ("float32", "bfloat16"):
-        engine = LLMEngine(EngineConfig(model=str(model), dtype=dtype, num_threads=threads,
+        engine = LLMEngine(EngineConfig(model=str(model), dtype=dtype, weights="dense", num_threads=threads,
                                         kv_cache_bytes=args.kv_cache_mb * 2**20))
         systems[f"ember_{dtype}"] = EmberSystem(engine)
         result.setdefault("kernels", engine.kernels)

@@ -54,7 +54,8 @@ def real_kv(model: str, dtype: str, threads: int) -> tuple[wire.FrameHeader, lis
     from ember.engine.engine import LLMEngine
     from ember.engine.sampling_params import SamplingParams
     from ember.kv.block_hash import chain_hashes
-    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, kv_cache_bytes=192 * 2**20, num_threads=threads))
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, weights="dense", kv_cache_bytes=192 * 2**20,
+                                    num_threads=threads))
     ids = engine.tokenizer.encode(english_prompt(30))[:1536]
     engine.generate([ids], SamplingParams(max_tokens=1))
     hashes = chain_hashes(ids, engine.config.block_size, engine.block_manager.root_hash)

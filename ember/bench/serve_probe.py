@@ -43,7 +43,7 @@ def main() -> None:
 
     config = EngineConfig(model=args.model, num_threads=args.threads, kv_cache_bytes=args.kv_cache_mb * 2**20)
     t0 = time.time()
-    loaded = load_model(config.model, config.dtype)
+    loaded = load_model(config.model, config.dtype, config.weights)
     t1 = time.time()
     engine = LLMEngine(config, loaded=loaded)
     t2 = time.time()
