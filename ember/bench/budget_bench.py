@@ -6,9 +6,10 @@ step time of "decode batch + one prefill chunk". This measures that step time th
 real engine (in process: scheduler, runner, kernels) for a growing chunk size, with a
 decode batch alongside whose contexts, like the chunk's, sit behind a ~1k-token cached
 prefix (agentic contexts), and picks the largest chunk whose median step stays under each
-SLO: max_num_batched_tokens = decode batch + that chunk. The grid stops once a step is
-well past the largest SLO (but always covers chunks up to TABLE_MIN); the last passing and
-first failing sizes are then bisected to a block's worth of tokens.
+SLO (and, for where a decode step alone misses it, whose chunk adds at most the SLO to a
+decode-only step): max_num_batched_tokens = decode batch + that chunk. The grid stops once
+a step is well past the largest limit (but always covers chunks up to TABLE_MIN); the last
+passing and first failing sizes are then bisected to a block's worth of tokens.
 """
 from __future__ import annotations
 
@@ -80,6 +81,12 @@ class StepProbe:
 
 
 def sweep(probe: StepProbe, slos: list[float], granularity: int = 16) -> dict:
+    """Step time per chunk size, and the largest chunk meeting each limit.
+
+    Two kinds of limit per SLO: "200ms", the step itself (the TPOT a decoding stream sees),
+    and "+200ms", what the prefill chunk adds to a decode-only step, for a machine (or decode
+    batch) whose decode step alone already misses the absolute SLO.
+    """
     table: dict[int, list[float]] = {}
 
     def median(chunk: int) -> float:
@@ -88,33 +95,33 @@ def sweep(probe: StepProbe, slos: list[float], granularity: int = 16) -> dict:
             table[chunk] = probe.step_seconds(chunk)
         return statistics.median(table[chunk])
 
-    median(0)
-    for chunk in GRID:  # the table always reaches TABLE_MIN; past it, only while near the SLOs
-        if not probe.fits(chunk) or median(chunk) > 1.5 * max(slos) and chunk >= TABLE_MIN:
+    decode_only = median(0)
+    limits = {f"{round(s * 1000)}ms": s for s in slos} | {f"+{round(s * 1000)}ms": decode_only + s for s in slos}
+    for chunk in GRID:  # the table always reaches TABLE_MIN; past it, only while near the limits
+        if not probe.fits(chunk) or median(chunk) > 1.5 * max(limits.values()) and chunk >= TABLE_MIN:
             break
     chosen = {}
-    for slo in slos:
+    for name, limit in limits.items():
         measured = sorted(table)
-        passing = [c for c in measured if all(median(d) <= slo for d in measured if d <= c)]
-        lo = passing[-1] if passing else None
-        if lo is None:
-            chosen[slo] = None  # a decode step alone misses the SLO
+        passing = [c for c in measured if all(median(d) <= limit for d in measured if d <= c)]
+        if not passing:
+            chosen[name] = None  # a decode step alone misses the SLO
             continue
-        failing = [c for c in measured if c > lo]
-        hi = failing[0] if failing else None
+        lo = passing[-1]
+        hi = next((c for c in measured if c > lo), None)
         while hi is not None and hi - lo > granularity:  # bisect to a block's worth of tokens
             mid = (lo + hi) // 2 // granularity * granularity
             if mid <= lo:
                 break
-            if median(mid) <= slo:
+            if median(mid) <= limit:
                 lo = mid
             else:
                 hi = mid
-        chosen[slo] = lo
+        chosen[name] = lo
     return {"step_ms": {str(c): round(statistics.median(t) * 1e3, 2) for c, t in sorted(table.items())},
             "step_ms_min": {str(c): round(min(t) * 1e3, 2) for c, t in sorted(table.items())},
             "step_ms_samples": {str(c): [round(x * 1e3, 2) for x in t] for c, t in sorted(table.items())},
-            "chosen_chunk": {f"{int(s * 1000)}ms": c for s, c in chosen.items()}}
+            "chosen_chunk": chosen}
 
 
 def main(args) -> int:
