@@ -130,7 +130,7 @@ def cmd_status(args) -> int:
 
 
 BENCHES = {"engine": "engine_bench", "disagg": "disagg_bench", "kv": "kv_bench", "agentic": "agentic_bench",
-           "quality": "quality", "budget": "budget_bench",
+           "quality": "quality", "budget": "budget_bench", "served": "served_bench",
            "simulate": "sim_bench", "placement": "placement_bench"}
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from ember.cluster.config import ClusterConfig, Site, load_config
+from ember.cluster.config import ClusterConfig, Site, engine_config, load_config
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -15,15 +15,6 @@ def engine_args(prog: str) -> argparse.Namespace:
     p.add_argument("--site", required=True)
     p.add_argument("--metrics-listen", help="HOST:PORT serving Prometheus /metrics")
     return p.parse_args()
-
-
-def engine_config(config: ClusterConfig):
-    from ember.engine.config import EngineConfig
-    e = config.engine
-    return EngineConfig(model=str(config.model_path(REPO_ROOT)), dtype=e.dtype, weights=e.weights,
-                        block_size=e.block_size, kv_cache_bytes=e.kv_cache_mb * 2**20 if e.kv_cache_mb else None,
-                        kv_cache_memory_fraction=e.kv_cache_memory_fraction, num_threads=e.threads,
-                        max_num_seqs=e.max_num_seqs, max_num_batched_tokens=e.max_num_batched_tokens)
 
 
 def tokenizer(config: ClusterConfig):
@@ -58,7 +49,7 @@ async def serve_engine_service(address: str, service_name: str, service, add_to_
 
         def died():
             loop.create_task(server.set_status(health_pb2.HealthCheckResponse.NOT_SERVING))
-        service.engine = await SubprocessEngineClient.start(engine_config(config), kvstore=site.kvstore,
+        service.engine = await SubprocessEngineClient.start(engine_config(config, REPO_ROOT), kvstore=site.kvstore,
                                                             use_shm=config.kvstore_shared_memory, on_death=died)
         metrics.watch_engine(service.engine)
 
