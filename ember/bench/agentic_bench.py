@@ -86,6 +86,11 @@ def main(args) -> int:
     if unknown:
         raise SystemExit(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
     plan = phases(args.quick)
+    if args.phases:
+        chosen = [p.strip() for p in args.phases.split(",")]
+        if set(chosen) - set(plan):
+            raise SystemExit(f"unknown phases {sorted(set(chosen) - set(plan))}; choose from {list(plan)}")
+        plan = {p: plan[p] for p in chosen}
     # the shipped default (a Q4_1 GGUF: its own codes, as llama.cpp serves them) unless --weights says
     weights = resolve_serving(args.model, weights=args.weights or "auto")[1]
     slo, arrival = (args.slo_ttft, args.slo_tpot), args.arrival_rate
@@ -93,7 +98,8 @@ def main(args) -> int:
     result: dict = {"model": Path(args.model).name, "threads": threads, "ember_weights": weights,
                     # this process (transformers, ember-colocated); the cluster's processes are always PASSIVE
                     "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "libgomp default (brief spin)"),
-                    "sessions": plan["replay"]["num_sessions"], "turns": plan["replay"]["turns"],
+                    "sessions": plan.get("replay", {}).get("num_sessions"),
+                    "turns": plan.get("replay", {}).get("turns"),
                     "phases": plan, "arrival_rate": arrival, "systems": wanted,
                     "replay": {}, "streams16": {}, "single_stream": {}}
     result["prefill_roofline"] = prefill_roofline(args.model, threads, weights, args.quick)
