@@ -34,23 +34,24 @@ def test_q4_codes_are_the_gguf_weights_exactly(q4_weights, model_path, name):
     np.testing.assert_array_equal(w.dequantize(), dense)
 
 
-def test_int4_linear_small_steps_use_int4_large_steps_dense(q4_weights):
+def test_int4_linear_takes_the_int4_kernel_at_every_size_and_rows_do_not_depend_on_it(q4_weights):
     w = q4_weights["model.layers.5.mlp.gate_proj.weight"]
     exact = torch.from_numpy(w.dequantize())
     layer = Int4Linear(w.codes, w.scale, w.low, exact)
-    for rows in (1, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 64):
-        x = torch.randn(rows, exact.shape[1]).bfloat16()
-        ref = x.float() @ exact.T
-        y = layer(x)
+    x = torch.randn(512, exact.shape[1]).bfloat16()
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(16)])  # each row in a step of its own
+    for rows in (2, 3, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 64, 512):
+        y = layer(x[:rows])
+        ref = x[:rows].float() @ exact.T
         assert y.dtype == torch.bfloat16 and y.shape == ref.shape
         # bf16 scales and outputs: relative error at the bf16 level, not more
         assert (y.float() - ref).norm() / ref.norm() < 0.01, rows
-    x = torch.randn(1, exact.shape[1]).bfloat16()
+        assert torch.equal(y[:16], alone[:rows]), f"a row's output changed in a step of {rows} rows"
     int4_only = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, 32, layer.scales_and_zeros)
-    assert torch.equal(layer(x), int4_only)  # one row really takes the int4 kernel
+    assert torch.equal(layer(x), int4_only)  # a big step takes the int4 kernel too
 
 
-def test_int4_logits_rescore_nominees_exactly():
+def test_int4_logits_rescore_nominees_exactly_and_rows_do_not_depend_on_the_batch():
     torch.manual_seed(0)
     weight = torch.randn(4096, 64)
     head = Int4Logits(weight, candidates=32)
@@ -59,10 +60,12 @@ def test_int4_logits_rescore_nominees_exactly():
     exact = x.float() @ head.weight.float().T
     approx = torch.ops.aten._weight_int4pack_mm_for_cpu(x, head.packed, 32, head.scales_and_zeros).float()
     nominees = approx.topk(32).indices[0]
-    assert torch.equal(logits[0, nominees], exact[0, nominees])
+    torch.testing.assert_close(logits[0, nominees], exact[0, nominees], rtol=1e-6, atol=1e-6)
     assert int(logits.argmax()) == int(exact.argmax())
-    batch = torch.randn(3, 64).bfloat16()
-    assert torch.allclose(head(batch), batch.float() @ head.weight.float().T, rtol=0.02, atol=0.05)
+    batch = torch.randn(13, 64).bfloat16()
+    alone = torch.cat([head(batch[i:i + 1]) for i in range(13)])
+    for rows in (2, 5, 13):
+        assert torch.equal(head(batch[:rows]), alone[:rows])
 
 
 def test_q4_quality_against_fp32_reference(loaded, q4_loaded):
@@ -93,11 +96,11 @@ def test_q4_needs_bf16_and_a_gguf():
     from ember.engine.config import EngineConfig
     from ember.placement.config import EngineSettings
     with pytest.raises(ValueError, match="bfloat16"):
-        EngineConfig(weights="q4")
+        EngineConfig(weights="q4", dtype="float32")
     with pytest.raises(ValueError, match="dense"):
         EngineConfig(weights="q8")
     with pytest.raises(ValueError, match="bfloat16"):
-        EngineSettings(weights="q4")
+        EngineSettings(weights="q4", dtype="float32")
     from ember.model.files import check_weights
     with pytest.raises(ValueError, match="GGUF"):
         check_weights("some/folder", "bfloat16", "q4")

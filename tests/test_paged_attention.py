@@ -1,10 +1,13 @@
-"""Paged attention equals dense causal attention; chunked prefill equals one-shot prefill."""
+"""Paged attention equals dense causal attention; chunked prefill equals one-shot prefill;
+the batch-invariant path (bf16) gives every token the same bits however it was computed."""
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
-from ember.engine.attention import DecodeBatch, PagedAttention, PrefillChunk
+from ember.engine import attention
+from ember.engine.attention import KEY_ALIGN, MIN_ROWS, DecodeBatch, PagedAttention, PrefillChunk
 from ember.engine.kv_cache import PagedKVCache
 from ember.engine.sampling_params import SamplingParams
 from ember.kv.block_hash import KVLayout
@@ -21,8 +24,8 @@ def dense(q, k, v):
                                           is_causal=True).transpose(0, 1)
 
 
-def make_cache(num_blocks=32):
-    return PagedKVCache(KVLayout("test", "float32", BS, 1, HKV, D), num_blocks)
+def make_cache(num_blocks=32, dtype="float32"):
+    return PagedKVCache(KVLayout("test", dtype, BS, 1, HKV, D), num_blocks)
 
 
 def slots_for(table, start, n):
@@ -67,6 +70,80 @@ def test_batched_decode_with_ragged_contexts_equals_dense():
                torch.stack([s[2][-1] for s in seqs]))
     for row, (q, k, v) in enumerate(seqs):
         torch.testing.assert_close(out[row], dense(q, k, v)[-1], rtol=1e-5, atol=1e-5)
+
+
+def run_sequence(q, k, v, chunks, decode_from, table, dtype, others=0, **kw):
+    """Attention outputs of one sequence: prefill in `chunks` up to `decode_from`, then one
+    decode step per token, batched with `others` unrelated sequences."""
+    cache = make_cache(128, dtype)
+    out, start, T = torch.empty_like(q), 0, q.shape[0]
+    for n in chunks:
+        n = min(n, decode_from - start)
+        if n == 0:
+            break
+        attn = PagedAttention(cache, slots_for(table, start, n),
+                              [PrefillChunk(0, n, start, torch.tensor(table))], None, D ** -0.5, **kw)
+        out[start:start + n] = attn(0, q[start:start + n], k[start:start + n], v[start:start + n])
+        start += n
+    assert start == decode_from
+    other_tables = [[100 + 2 * i, 101 + 2 * i] for i in range(others)]  # ragged 20.. token contexts
+    for pos in range(decode_from, T):
+        lens = [pos + 1] + [20 + i for i in range(others)]
+        tables = [table] + [t + [0] * (len(table) - 2) for t in other_tables]
+        slots = torch.cat([slots_for(table, pos, 1)] + [slots_for(t, n - 1, 1) for t, n in zip(other_tables, lens[1:])])
+        noise = [torch.randn(others, h, D).to(q.dtype) for h in (H, HKV, HKV)]
+        attn = PagedAttention(cache, slots, [], DecodeBatch(torch.arange(1 + others), torch.tensor(tables),
+                                                            torch.tensor(lens)), D ** -0.5, **kw)
+        out[pos] = attn(0, *(torch.cat([x[pos:pos + 1], n]) for x, n in zip((q, k, v), noise)))[0]
+    return out
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("decode_threads", ["serial", "parallel"])
+def test_batch_invariant_attention_is_the_same_bits_however_computed(dtype, decode_threads, monkeypatch):
+    """One prompt, one chunk vs many chunk sizes vs decode steps batched with others: equal bits.
+    300 tokens: more than a query tile (256), keys across many KEY_ALIGN blocks. Decode on
+    the calling thread or on all threads (prefill uses all): the same bits too."""
+    monkeypatch.setattr(attention, "SERIAL_KEYS", 10**9 if decode_threads == "serial" else 0)
+    torch.manual_seed(2)
+    T, kw = 300, {"batch_invariant": True}
+    q, k, v = (torch.randn(T, h, D).to(getattr(torch, dtype)) for h in (H, HKV, HKV))
+    table = list(range(40, 40 + T // BS + 1))[::-1]
+    one_shot = run_sequence(q, k, v, [T], T, table, dtype, **kw)
+    want = dense(q.float(), k.float(), v.float())
+    torch.testing.assert_close(one_shot.float(), want, rtol=1e-2 if dtype == "bfloat16" else 1e-5,
+                               atol=1e-2 if dtype == "bfloat16" else 1e-5)
+    for chunks, decode_from, others in (([64] * 5, T, 0), ([7, 100, 33] * 4, T, 0), ([250], 250, 0),
+                                        ([17], 17, 5), ([1] * 40 + [200], 240, 2)):
+        got = run_sequence(q, k, v, chunks, decode_from, table, dtype, others, **kw)
+        differ = (got != one_shot).flatten(1).any(-1).nonzero().flatten().tolist()
+        assert not differ, f"chunks {chunks[:3]}.., decode from {decode_from}: tokens {differ[:8]} differ"
+
+
+def test_bf16_cache_takes_the_batch_invariant_path_fp32_keeps_sdpa():
+    table = torch.tensor([0])
+    assert PagedAttention(make_cache(4, "bfloat16"), table, [], None, 1.0).batch_invariant
+    assert not PagedAttention(make_cache(4, "float32"), table, [], None, 1.0).batch_invariant
+
+
+def test_torch_facts_the_batch_invariant_attention_relies_on():
+    """If torch or the CPU changes these, ember.engine.attention's recipe needs another look."""
+    torch.manual_seed(3)
+    q, keys, probs = torch.randn(3, 768, D), torch.randn(3, 640, D), torch.rand(3, 768, KEY_ALIGN)
+    scores = torch.matmul(q, keys.transpose(-1, -2))
+    for rows in (MIN_ROWS, 48, 768):  # a row's scores: the same for any row count >= MIN_ROWS and key count
+        for n_keys in (KEY_ALIGN, 320, 640):
+            assert torch.equal(torch.matmul(q[:, :rows], keys[:, :n_keys].transpose(-1, -2))[:, :MIN_ROWS],
+                               scores[:, :MIN_ROWS, :n_keys])
+        # one KEY_ALIGN block of probabilities times values: the same for any row count
+        assert torch.equal(torch.matmul(probs[:, :rows], keys[:, :KEY_ALIGN])[:, :MIN_ROWS],
+                           torch.matmul(probs[:, :MIN_ROWS], keys[:, :KEY_ALIGN]))
+    row = torch.randn(1, 640)
+    for seen in (1, 37, 64, 200):  # softmax over -inf padding to whole KEY_ALIGN blocks
+        masked = row.clone()
+        masked[:, seen:] = float("-inf")
+        ref = torch.softmax(masked[:, :-(-seen // KEY_ALIGN) * KEY_ALIGN], -1)
+        assert torch.equal(torch.softmax(masked, -1)[:, :ref.shape[1]], ref)
 
 
 def test_chunked_prefill_gives_the_same_tokens_as_one_shot(make_engine):

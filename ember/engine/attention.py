@@ -3,16 +3,42 @@
 The step's tokens are laid out sequence after sequence. Decoding sequences (one new
 token) are batched: their context is gathered through the block tables and attended
 with grouped queries. Prefill chunks run one sequence at a time; a chunk with no cached
-context attends only to itself (causal SDPA, no gather).
+context attends only to itself (no gather).
+
+Two ways to compute it:
+- fp32 activations (the reference path): torch's SDPA, causal flash over a fresh chunk.
+  Its per-query result depends on the chunk (query and key block sizes follow the
+  sequence length), which fp32 tolerates: it matches transformers token for token.
+- bf16 activations (the served path, weights="q4"): `batch_invariant`, in fp32, with one
+  recipe for every query, so a token's output is the same bits whether it was computed
+  alone or batched, in a whole prompt, a chunk, a cached-prefix tail or a decode step.
+  Scores are a matmul of the token's queries with its context keys, masked past its
+  position, softmaxed, times the values. The recipe holds three facts measured on torch's
+  CPU matmul and softmax (checked in tests/test_paged_attention.py): a matmul row is the
+  same for any number of rows >= 4 (fewer take another kernel) and any number of output
+  columns, but not for any reduction length (past ~128 it is split by length);
+  softmax over a row padded with -inf is the same bits if the row length is a multiple of
+  the vector width. So calls get at least MIN_ROWS query rows, key counts are padded to a
+  multiple of KEY_ALIGN, and probabilities meet values one KEY_ALIGN block at a time.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ember.engine.kv_cache import PagedKVCache
+
+MIN_ROWS = 8  # query rows per matmul (zero rows pad up to it)
+KEY_ALIGN = 128  # keys are padded (masked) to whole blocks of this, and reduced block by block
+QUERY_TILE = 256  # prefill queries per matmul: bounds the scores tensor (and skips keys past the tile)
+# Decode attention over at most this many keys (all sequences together) runs on the calling
+# thread: it is tiny (~1 MFLOP a layer at batch 1), and with OMP_WAIT_POLICY=PASSIVE each
+# parallel op wakes the workers for ~0.1 ms (batch-1 q4 decode 52 -> 42 ms a step). The
+# results are the same bits either way (tests/test_paged_attention.py).
+SERIAL_KEYS = 2048
 
 
 @dataclass
@@ -30,46 +56,116 @@ class DecodeBatch:
     context_lens: torch.Tensor  # [B] long, including the new token
 
 
+def _align(n: int) -> int:
+    return -(-n // KEY_ALIGN) * KEY_ALIGN
+
+
+def _exact_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """q: [B, Hkv, M, D] fp32 (M >= MIN_ROWS), keys/values: [B, Hkv, S, D] fp32 (S a multiple of
+    KEY_ALIGN), hidden: bool [.., M, W], True where a query must not see a key among the last W
+    (the keys before those are seen by every query). Returns [B, Hkv, M, D]."""
+    batch, kv_heads, rows, _ = q.shape
+    blocks = keys.shape[2] // KEY_ALIGN
+    scores = torch.matmul(q * scale, keys.transpose(-1, -2))
+    scores[..., scores.shape[-1] - hidden.shape[-1]:].masked_fill_(hidden, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(batch, kv_heads, rows, blocks, KEY_ALIGN).transpose(2, 3)
+    # probs @ values, reduced over keys one block of KEY_ALIGN at a time: a single matmul
+    # over all S keys splits its reduction differently as S grows.
+    partial = torch.matmul(probs, values.view(batch, kv_heads, blocks, KEY_ALIGN, -1))  # [B, Hkv, blocks, M, D]
+    return _sum_blocks(partial)
+
+
+def _sum_blocks(x: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 2 as a fixed tree (adjacent pairs, an odd last one carried up): the tree over
+    a query's context blocks is the same however many all-zero (masked) blocks follow."""
+    while x.shape[2] > 1:
+        n = x.shape[2]
+        pairs = x[:, :, 0:n - 1:2] + x[:, :, 1:n:2]
+        x = torch.cat((pairs, x[:, :, n - 1:]), dim=2) if n % 2 else pairs
+    return x[:, :, 0]
+
+
+@contextmanager
+def _threads(n: int):
+    saved = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """Zero-pad dim -2 of x up to `rows`."""
+    return F.pad(x, (0, 0, 0, rows - x.shape[-2])) if x.shape[-2] < rows else x
+
+
+def _heads_fp32(kv: torch.Tensor) -> torch.Tensor:
+    """[2, B, S, Hkv, D] -> fp32 [2, B, Hkv, S, D], contiguous, in one copy: prefill and decode
+    hand matmul the same layout (another one could pick another kernel)."""
+    return kv.transpose(-3, -2).to(torch.float32, memory_format=torch.contiguous_format)
+
+
 class PagedAttention:
     """The `Attend` callable the model runs each layer with."""
 
     def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor,
-                 prefills: list[PrefillChunk], decode: DecodeBatch | None, scale: float):
+                 prefills: list[PrefillChunk], decode: DecodeBatch | None, scale: float,
+                 batch_invariant: bool | None = None):
         self.cache = cache
         self.slot_mapping = slot_mapping
         self.prefills = prefills
         self.decode = decode
         self.scale = scale
         self.block_size = cache.layout.block_size
+        # None: the served bf16 path is batch-invariant, the fp32 reference path keeps SDPA
+        self.batch_invariant = cache.dtype != torch.float32 if batch_invariant is None else batch_invariant
         if decode is not None:
-            max_len = decode.block_tables.shape[1] * self.block_size
+            self.decode_tables = self._pad_tables(decode.block_tables)
+            max_len = self.decode_tables.shape[1] * self.block_size
             # [B, 1, 1, max_len]: True where a key position holds context
             self.decode_mask = (torch.arange(max_len)[None, :] < decode.context_lens[:, None])[:, None, None, :]
+            self.decode_hidden = ~self.decode_mask
+
+    def _pad_tables(self, tables: torch.Tensor) -> torch.Tensor:
+        """Block tables [B, W], padded with block 0 (masked) to whole KEY_ALIGN key blocks."""
+        if not self.batch_invariant:
+            return tables
+        per = max(1, KEY_ALIGN // self.block_size)
+        return F.pad(tables, (0, -tables.shape[1] % per))
+
+    def _gather(self, layer_idx: int, tables: torch.Tensor) -> torch.Tensor:
+        """K and V of the blocks in `tables` [B, W]: [2, B, W * block_size, Hkv, D]."""
+        kv = self.cache.kv[layer_idx]  # [2, num_blocks, block_size, Hkv, D]
+        # K and V of every context block in one index_select (5x faster than two fancy-index gathers)
+        return kv.index_select(1, tables.flatten()).view(2, tables.shape[0], -1, kv.shape[3], kv.shape[4])
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.cache.layer(layer_idx)
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, v)
+        decode = self._decode_exact if self.batch_invariant else self._decode
         if not self.prefills:  # decode-only step: rows are already in order
-            return self._decode(q, layer_idx)
+            return decode(q, layer_idx)
+        prefill = self._prefill_exact if self.batch_invariant else self._prefill
         out = torch.empty_like(q)
         for chunk in self.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            out[rows] = self._prefill(q[rows], k[rows], v[rows], chunk, k_cache, v_cache)
+            out[rows] = prefill(q[rows], k[rows], v[rows], chunk, layer_idx)
         if self.decode is not None:
-            out[self.decode.token_indices] = self._decode(q[self.decode.token_indices], layer_idx)
+            out[self.decode.token_indices] = decode(q[self.decode.token_indices], layer_idx)
         return out
 
-    def _prefill(self, q, k, v, chunk: PrefillChunk, k_cache, v_cache) -> torch.Tensor:
+    def _prefill(self, q, k, v, chunk: PrefillChunk, layer_idx: int) -> torch.Tensor:
         # q: [n, H, D] -> SDPA wants [1, H, n, D]. With 3-D inputs torch's CPU SDPA falls
         # back to its math path (2.7x slower at 2,048 tokens); 4-D takes the flash kernel.
         if chunk.context_start == 0:
             keys, values, mask, causal = k, v, None, True
         else:
             total = chunk.context_start + chunk.num_tokens
-            keys = k_cache[chunk.block_table].flatten(0, 1)[:total]  # [total, Hkv, D]
-            values = v_cache[chunk.block_table].flatten(0, 1)[:total]
+            keys, values = (x[0, :total] for x in self._gather(layer_idx, chunk.block_table[None]))
             query_pos = chunk.context_start + torch.arange(chunk.num_tokens)
             mask, causal = torch.arange(total)[None, :] <= query_pos[:, None], False  # [n, total]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
@@ -77,15 +173,48 @@ class PagedAttention:
                                              scale=self.scale, enable_gqa=True)
         return out[0].transpose(0, 1)
 
+    def _prefill_exact(self, q, k, v, chunk: PrefillChunk, layer_idx: int) -> torch.Tensor:
+        n, num_heads, head_dim = q.shape
+        if chunk.context_start == 0:  # the chunk's own keys, no gather
+            kv = F.pad(torch.stack((k, v)), (0, 0, 0, 0, 0, _align(n) - n))[:, None]
+        else:
+            kv = self._gather(layer_idx, self._pad_tables(chunk.block_table[None]))
+        keys, values = _heads_fp32(kv)  # [1, Hkv, S, D] each
+        num_kv_heads = keys.shape[1]
+        group = num_heads // num_kv_heads
+        # [1, Hkv, n * G, D]: row t * G + g is query head g of token t
+        qg = q.float().view(n, num_kv_heads, group, head_dim).permute(1, 0, 2, 3).reshape(1, num_kv_heads, -1, head_dim)
+        out = torch.empty_like(qg)
+        for start in range(0, n, QUERY_TILE):
+            stop = min(start + QUERY_TILE, n)
+            rows = slice(start * group, stop * group)
+            first, seen = chunk.context_start + start, _align(chunk.context_start + stop)
+            # keys before the tile's first query are seen by all its queries: mask only from there
+            query_pos = _pad_rows(torch.arange(first, first + stop - start).repeat_interleave(group)[:, None], MIN_ROWS)
+            hidden = torch.arange(first, seen)[None, :] > query_pos
+            tile = _exact_attention(_pad_rows(qg[:, :, rows], MIN_ROWS), keys[:, :, :seen], values[:, :, :seen],
+                                    hidden, self.scale)
+            out[:, :, rows] = tile[:, :, :rows.stop - rows.start]
+        out = out[0].view(num_kv_heads, n, group, head_dim).permute(1, 0, 2, 3)
+        return out.reshape(n, num_heads, head_dim).to(q.dtype)
+
     def _decode(self, q: torch.Tensor, layer_idx: int) -> torch.Tensor:
         # q: [B, H, D]. Group the query heads by their KV head: [B, Hkv, G, D], so one
         # matmul per KV head serves all its query heads (no K/V repeat).
         batch, num_heads, head_dim = q.shape
-        kv = self.cache.kv[layer_idx]  # [2, num_blocks, block_size, Hkv, D]
-        num_kv_heads = kv.shape[3]
-        # K and V of every context block in one index_select (5x faster than two fancy-index gathers)
-        both = kv.index_select(1, self.decode.block_tables.flatten()).view(2, batch, -1, num_kv_heads, head_dim)
-        keys, values = both[0].transpose(1, 2), both[1].transpose(1, 2)  # [B, Hkv, S, D]
-        qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+        keys, values = self._gather(layer_idx, self.decode_tables).transpose(2, 3)  # [B, Hkv, S, D] each
+        qg = q.view(batch, keys.shape[1], -1, head_dim)
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.decode_mask, scale=self.scale)
         return out.reshape(batch, num_heads, head_dim)
+
+    def _decode_exact(self, q: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        batch, num_heads, head_dim = q.shape
+        serial = self.decode_mask.numel() <= SERIAL_KEYS
+        with _threads(1) if serial else nullcontext():
+            keys, values = _heads_fp32(self._gather(layer_idx, self.decode_tables))  # [B, Hkv, S, D] each
+            num_kv_heads = keys.shape[1]
+            group = num_heads // num_kv_heads
+            qg = q.new_zeros(batch, num_kv_heads, max(group, MIN_ROWS), head_dim, dtype=torch.float32)
+            qg[:, :, :group] = q.view(batch, num_kv_heads, group, head_dim)
+            out = _exact_attention(qg, keys, values, self.decode_hidden, self.scale)
+        return out[:, :, :group].reshape(batch, num_heads, head_dim).to(q.dtype)

@@ -1,12 +1,15 @@
 """Kernel choices, made in one place: `optimize(model)` swaps in the fastest available ops."""
 from __future__ import annotations
 
+from ember.kernels.cpu_int4 import Int4Linear
 from ember.kernels.cpu_linear import pack_linears
 
 
 def optimize(model) -> list[str]:
-    """Apply every available speed-up to `model` in place; returns what was applied."""
+    """Apply every available speed-up to `model` in place; returns what is in use."""
     applied = []
     if pack_linears(model):
         applied.append("onednn-packed-linear")
+    if any(isinstance(m, Int4Linear) for m in model.modules()):  # the loader put them in (weights="q4")
+        applied.append("int4-batch-invariant")
     return applied

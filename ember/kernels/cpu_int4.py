@@ -1,14 +1,17 @@
-"""Weight-only int4 linear layers for CPU decode (torch's packed int4 kernels).
+"""Weight-only int4 linear layers for CPU (torch's packed int4 kernels), batch-invariant.
 
 Decode on CPU is bound by reading weights: a batch-1 step reads every weight once. Int4
-codes with group-32 scales read a quarter of bf16's bytes; measured on this 2-core
-machine for all SmolLM2 linears at batch 1: bf16 15.6 ms, int4 5.8 ms. The int4 kernel
-wants bf16 activations (fp32 ones fall onto a path 6-20x slower) and loses to oneDNN's
-bf16 GEMM once a step has more than a few rows (64 rows: 0.83 vs 0.40 ms for one
-576x1536 layer), so each layer keeps both: int4 for small steps (decode), a bf16
-oneDNN-packed copy for prefill. The bf16 copy is the same weights (the loader's bf16
-checkpoint, which equals the dequantized codes), so both paths compute the same model up
-to bf16 rounding.
+codes with group-32 scales read a quarter of bf16's bytes; measured for all SmolLM2
+linears at batch 1: bf16 15.6 ms, int4 5.8 ms. The kernel wants bf16 activations (fp32
+ones fall onto a path 6-20x slower).
+
+Every step, whatever its size, takes this one kernel, so a token's numbers do not depend
+on how many rows share its step (alone or batched, chunked or not, cached prefix or
+cold). The kernel computes each output in 4-row tiles with a plain fp32 loop over the
+inputs: a row's result is the same bits in a step of 1 row or 2,048 (checked in
+tests/test_int4.py). A faster bf16 GEMM for big steps (oneDNN) rounds differently from
+the int4 kernel and its per-row result changes with the row count, which made greedy
+answers depend on batching; it also needs AVX512/AVX-NE-CONVERT, which not every CPU has.
 """
 from __future__ import annotations
 
@@ -17,15 +20,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.kernels.cpu_linear import PackedLinear, onednn_available
 from ember.model.llama import apply_rope
 
-# Steps with at most this many rows take the int4 kernel (measured crossover 8-16 rows).
+# Steps of at most this many rows skip the module calls (decode_layer). Both ways run the
+# same kernels in the same order, so results do not depend on it.
 INT4_MAX_ROWS = 12
 
 
 def int4_available() -> bool:
-    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu") and onednn_available()
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
 
 
 def _pack_int4(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,33 +46,31 @@ def _int4_mm(x: torch.Tensor, layer: Int4Linear | Int4Logits) -> torch.Tensor:
 class Int4Linear(nn.Module):
     """y = x @ W.T with W = (codes - 8) * scale + zero per group of 32 inputs (bf16 in and out).
 
-    `dense` is the same weights in bf16 ([out, in]), packed for steps too big for int4."""
+    `dense` (the loader's bf16 copy of the same weights) is not kept: every step takes
+    the int4 kernel, so the bf16 copy would only cost memory."""
 
-    def __init__(self, codes: np.ndarray, scale: np.ndarray, low: np.ndarray, dense: torch.Tensor,
+    def __init__(self, codes: np.ndarray, scale: np.ndarray, low: np.ndarray, dense: torch.Tensor | None = None,
                  group_size: int = 32):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.group_size = group_size
         self.packed, self.scales_and_zeros = _pack_int4(*(torch.from_numpy(a) for a in (codes, scale, low)))
-        self.dense = PackedLinear(dense.to(torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features)
-        if x2.shape[0] > INT4_MAX_ROWS:
-            return self.dense(x)
-        return _int4_mm(x2, self).view(*lead, self.out_features)
+        return _int4_mm(x.reshape(-1, self.in_features), self).view(*lead, self.out_features)
 
 
 class Int4Logits(nn.Module):
-    """The output layer for batch-1 steps: int4 logits, then the top candidates re-scored exactly.
+    """The output layer: int4 logits, then each row's top candidates re-scored exactly.
 
     Int4 codes of the (Q8_0) output weights read 0.87 ms per token against 2.8 ms for bf16,
-    but int4 rounding alone changes answers. So the int4 pass only nominates: its
-    `candidates` best rows are recomputed in fp32 from the bf16 weights, and those exact
+    but int4 rounding alone changes answers. So the int4 pass only nominates: each row's
+    `candidates` best entries are recomputed in fp32 from the bf16 weights, and those exact
     logits replace the approximate ones. Greedy picks the same token as the dense layer
     unless the winner is not among the nominees; sampling sees exact logits for the
-    nominees and int4 ones for the far tail. Batches of more than one row use the dense copy.
+    nominees and int4 ones for the far tail. Every row is computed the same way whatever
+    the batch size (a dense GEMM for batches would round differently from the 1-row path).
     """
 
     def __init__(self, weight: torch.Tensor, candidates: int = 64, group_size: int = 32):
@@ -82,15 +83,14 @@ class Int4Logits(nn.Module):
         scale = ((high - low) / 15).clamp_min(1e-12)
         codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
         self.packed, self.scales_and_zeros = _pack_int4(codes.view(self.out_features, -1), scale, low)
-        self.dense = PackedLinear(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] != 1:
-            return self.dense(x).float()
         logits = _int4_mm(x, self).float()
-        nominees = logits.topk(self.candidates, dim=-1).indices[0]
-        exact = x.float() @ self.weight[nominees].float().T
-        return logits.index_copy_(1, nominees, exact)
+        nominees = logits.topk(self.candidates, dim=-1).indices  # [rows, candidates]
+        # elementwise product and a sum per output: each dot product is reduced on its own,
+        # the same bits for any number of rows (a batched GEMM would not promise that)
+        exact = (x.float()[:, None, :] * self.weight[nominees].float()).sum(-1)
+        return logits.scatter_(1, nominees, exact)
 
 
 def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, layer_idx: int) -> torch.Tensor:
@@ -108,4 +108,3 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, a
     x = x + _int4_mm(out.reshape(rows, -1), attn.o_proj)
     gate, up = _int4_mm(layer.post_attention_layernorm.forward(x), mlp.gate_up_proj).split(mlp.intermediate_size, -1)
     return x + _int4_mm(F.silu(gate) * up, mlp.down_proj)
-

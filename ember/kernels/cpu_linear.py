@@ -7,14 +7,24 @@ from F.linear only in fp32 summation order (~1e-4 absolute).
 """
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 from torch import nn
 
 from ember.model.safetensors_io import drop_resident_pages
 
 
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+@cache
+def onednn_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether oneDNN can pack `dtype` weights here (bf16 needs AVX512 or AVX-NE-CONVERT)."""
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype))
+    except RuntimeError:
+        return False
+    return True
 
 
 class PackedLinear(nn.Module):
@@ -34,17 +44,18 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module) -> bool:
     """Replace every bias-free nn.Linear (and a tied output layer) with a PackedLinear."""
-    if not onednn_available():
-        return False
     # Hold (parent, name) pairs, not the layers, so each unpacked weight is freed as soon
     # as its packed twin exists: peak memory stays one layer above the model's size.
     targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
                if isinstance(child, nn.Linear) and child.bias is None]
+    tied = getattr(model, "lm_head", "absent") is None
+    dtype = getattr(*targets[0]).weight.dtype if targets else model.embed_tokens.weight.dtype if tied else None
+    if dtype is None or not onednn_available(dtype):
+        return False  # nothing to pack, or this CPU cannot: F.linear stays
     for parent, name in targets:
         setattr(parent, name, PackedLinear(getattr(parent, name).weight))
-    if getattr(model, "lm_head", "absent") is None:  # tied embeddings: pack a copy for the logits
+    if tied:  # tied embeddings: pack a copy for the logits
         model.lm_head = PackedLinear(model.embed_tokens.weight)
         # packing read every row; lookups need few, so hand the pages back if mapped
         drop_resident_pages(model.embed_tokens.weight)
     return True
-
