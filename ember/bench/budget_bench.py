@@ -140,7 +140,7 @@ def main(args) -> int:
         try:
             engine = LLMEngine(EngineConfig(model=args.model, num_threads=threads,
                                             kv_cache_bytes=args.kv_cache_mb * 2**20, **cfg))
-        except (RuntimeError, ValueError) as e:  # e.g. q4's bf16 kernels need AVX-512 (BW/VL/DQ)
+        except (RuntimeError, ValueError) as e:  # a config this machine cannot load
             progress(f"{name}: cannot run here: {e}")
             result["configs"][name] = {"error": str(e)}
             result["targets"][name] = {"met": False, "error": str(e)}

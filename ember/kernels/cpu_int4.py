@@ -46,11 +46,9 @@ def _int4_mm(x: torch.Tensor, layer: Int4Linear | Int4Logits) -> torch.Tensor:
 class Int4Linear(nn.Module):
     """y = x @ W.T with W = (codes - 8) * scale + zero per group of 32 inputs (bf16 in and out).
 
-    `dense` (the loader's bf16 copy of the same weights) is not kept: every step takes
-    the int4 kernel, so the bf16 copy would only cost memory."""
+    Every step takes the int4 kernel (batch-invariant), so no dense copy is kept."""
 
-    def __init__(self, codes: np.ndarray, scale: np.ndarray, low: np.ndarray, dense: torch.Tensor | None = None,
-                 group_size: int = 32):
+    def __init__(self, codes: np.ndarray, scale: np.ndarray, low: np.ndarray, group_size: int = 32):
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.group_size = group_size

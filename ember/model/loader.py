@@ -93,8 +93,7 @@ def _use_int4(model: LlamaModel, gguf_path: Path) -> int:
             w = Q4Weight.concat([q4.pop(n) for n in names])
             parent, attr = target.split(".")
             module = getattr(layer, parent)
-            # the loaded bf16 weight is the dequantized codes (bit for bit before the cast): no recompute
-            setattr(module, attr, Int4Linear(w.codes, w.scale, w.low, getattr(module, attr).weight))
+            setattr(module, attr, Int4Linear(w.codes, w.scale, w.low))  # the dense weight is dropped
             read += w.codes.size // 2 + w.scale.size * 4  # int4 codes + bf16 scale and zero per group
     output = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.lm_head = Int4Logits(output)
