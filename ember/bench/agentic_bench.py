@@ -225,8 +225,11 @@ def prefill_roofline(model: str, threads: int, weights: str, quick: bool) -> dic
     from ember.engine.sampling_params import SamplingParams
     dtype = serving_dtype(weights)
     import torch
-    progress(f"prefill roofline: matmul rate ({dtype}) and Ember prefill")
-    roof = matmul_gflops(getattr(torch, dtype), threads)
+    progress(f"prefill roofline: matmul rate (float32, {dtype}) and Ember prefill")
+    # the machine's best matmul, in whichever dtype it is fastest (bf16 is emulated, and ~100x
+    # slower, on CPUs without AVX512-BF16)
+    by_dtype = {d: matmul_gflops(getattr(torch, d), threads) for d in dict.fromkeys(("float32", dtype))}
+    roof = max(by_dtype.values(), key=lambda r: r["roofline"]) | {"by_dtype": by_dtype}
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype, weights=weights, num_threads=threads,
                                     kv_cache_bytes=256 * 2**20, max_num_batched_tokens=4096))
     lengths = (256,) if quick else (512, 2048)
