@@ -178,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     b.add_argument("--systems", help="agentic: comma-separated subset of llama-server,transformers,"
                                      "ember-colocated,ember-disagg (default: all)")
+    b.add_argument("--cluster-config", help="agentic: the cluster YAML ember-disagg runs (default: the shipped "
+                                            "configs/local.yaml), laid onto free ports")
     b.add_argument("--phases", help="agentic: comma-separated subset of replay,streams16,single_stream (default: all)")
     b.add_argument("--arrival-rate", type=float, default=0.0,
                    help="agentic: sessions arrive as a Poisson process of this rate (1/s); 0 = all at once")

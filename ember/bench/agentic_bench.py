@@ -160,8 +160,9 @@ def main(args) -> int:
             llama_log.parent.mkdir(parents=True, exist_ok=True)
             llama_log.write_bytes(b"")
         if name == "ember-disagg":
-            result["ember_disagg_config"] = run_cluster(args.model,
-                                                        lambda make: asyncio.run(measure(make, "ember-disagg")))
+            cluster_config = Path(args.cluster_config) if args.cluster_config else None
+            result["ember_disagg_config"] = run_cluster(args.model, lambda make: asyncio.run(
+                measure(make, "ember-disagg")), cluster_config)
         else:
             asyncio.run(measure(in_process[name], name))
         gc.collect()
