@@ -35,11 +35,8 @@ def matmul_gflops(dtype, threads: int) -> dict[str, float]:
     for name, (m, k, n) in shapes.items():
         a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
         rates[f"mm_{name}"] = 2 * m * k * n / median_time(lambda a=a, b=b: torch.mm(a, b), reps=5) / 1e9
-        if onednn_available():
-            try:
-                packed = PackedLinear(b.t().contiguous())
-            except RuntimeError:  # oneDNN's bf16 path needs AVX512 / AVX-NE-CONVERT
-                continue
+        if onednn_available(dtype):  # bf16 packing needs AVX512 / AVX-NE-CONVERT
+            packed = PackedLinear(b.t().contiguous())
             rates[f"onednn_{name}"] = 2 * m * k * n / median_time(lambda a=a, p=packed: p(a), reps=5) / 1e9
     rates["roofline"] = max(rates.values())
     return rates
