@@ -222,7 +222,7 @@ def router_process(config_path, address: str):
     """A lone router process on `config_path`, serving at `address`; killed afterwards."""
     log = config_path.with_suffix(".log")
     with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "services.router", "--config", str(config_path)],
+        proc = subprocess.Popen([sys.executable, "-m", "ember.services.router", "--config", str(config_path)],
                                 cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_serving(address, time.monotonic() + 60, proc, log)

@@ -7,8 +7,8 @@ import asyncio
 import pytest
 
 from ember.kv.directory import MemoryDirectory, RedisDirectory
-from services.kvstore.publisher import Publisher
-from services.kvstore.store import BlockStore
+from ember.services.kvstore.publisher import Publisher
+from ember.services.kvstore.store import BlockStore
 from tests.cluster_fixture import free_port
 from tests.redis_fixture import RedisServer
 

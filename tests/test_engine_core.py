@@ -201,7 +201,7 @@ def test_l1_hits_are_pinned_against_eviction_until_admission(make_engine):
 @pytest.fixture()
 def kvstore_process(tmp_path):
     address = f"127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "services.kvstore", "--listen", address, "--capacity-mb", "256"],
+    proc = subprocess.Popen([sys.executable, "-m", "ember.services.kvstore", "--listen", address, "--capacity-mb", "256"],
                             stdout=open(tmp_path / "kv.log", "w"), stderr=subprocess.STDOUT)
     from ember.cluster.launcher import wait_serving
     try:
@@ -256,7 +256,7 @@ def test_a_killed_engine_core_makes_its_service_not_serving_and_streams_unavaila
     addr = write_config(tmp_path / "cluster.yaml")
     with running(tmp_path / "cluster.yaml", tmp_path, timeout_s=240), RouterClient(addr["router"]) as client:
         [decode] = [p for p in psutil.process_iter(["cmdline"])
-                    if "services.decode" in (p.info["cmdline"] or []) and str(tmp_path) in " ".join(p.info["cmdline"])]
+                    if "ember.services.decode" in (p.info["cmdline"] or []) and str(tmp_path) in " ".join(p.info["cmdline"])]
         [core] = [c for c in decode.children() if "ember.serving.core_process" in c.cmdline()]
         stream = client.stream(text="Count slowly: one, two, three,", max_tokens=2000, ignore_eos=True, timeout=120)
         next(stream), next(stream)  # decoding at the edge

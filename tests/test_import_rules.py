@@ -8,13 +8,13 @@ from pathlib import Path
 TORCH_FREE = ["ember.kv.block_hash", "ember.kv.chunks", "ember.kv.transfer", "ember.kv.bulk",
               "ember.engine.block_manager", "ember.engine.scheduler", "ember.engine.sampling_params",
               "ember.engine.sequence", "ember.engine.detokenizer", "ember.model.tokenizer", "ember.model.files",
-              "ember.cluster.config", "services.kvstore.store", "services.kvstore.service", "services.router.service",
-              "ember.kv.wire", "ember.kv.codec", "ember.kv.shm", "ember.kv.directory", "services.kvstore.pull",
-              "services.kvstore.publisher", "ember.placement.config", "ember.placement.policy",
+              "ember.cluster.config", "ember.services.kvstore.store", "ember.services.kvstore.service", "ember.services.router.service",
+              "ember.kv.wire", "ember.kv.codec", "ember.kv.shm", "ember.kv.directory", "ember.services.kvstore.pull",
+              "ember.services.kvstore.publisher", "ember.placement.config", "ember.placement.policy",
               "ember.placement.simulate", "ember.placement.trace", "ember.placement.cli", "ember.cluster.wan",
               "ember.rpc.site_kv", "ember.rpc.kv_connector", "ember.engine.outputs", "ember.serving.messages",
               # the service process of an engine-backed service: the model lives in its engine core
-              "ember.serving.engine_client", "services.prefill.service", "services.decode.service"]
+              "ember.serving.engine_client", "ember.services.prefill.service", "ember.services.decode.service"]
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -31,7 +31,7 @@ def test_bookkeeping_modules_do_not_import_torch():
 
 def test_ember_never_imports_services():
     offenders = [str(p) for p in (ROOT / "ember").rglob("*.py")
-                 if any(line.lstrip().startswith(("import services", "from services"))
+                 if any(line.lstrip().startswith(("import ember.services", "from ember.services"))
                         for line in p.read_text().splitlines())]
     assert offenders == []
 
@@ -39,8 +39,8 @@ def test_ember_never_imports_services():
 def test_services_never_import_each_other():
     for service in ("router", "prefill", "decode", "kvstore"):
         for path in (ROOT / "services" / service).rglob("*.py"):
-            others = [m for m in imports_of(path) if m.startswith("services.")
-                      and m.split(".")[1] not in (service, "common")]
+            others = [m for m in imports_of(path) if m.startswith("ember.services.")
+                      and m.split(".")[2] not in (service, "common")]
             assert others == [], f"{path} imports {others}"
 
 

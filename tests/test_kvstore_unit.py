@@ -8,8 +8,8 @@ import pytest
 
 from ember.kv import codec, transfer, wire
 from ember.kv.chunks import Assembler, split
-from services.kvstore.pull import Peer, PeerFetcher
-from services.kvstore.store import BlockStore, LeaseError
+from ember.services.kvstore.pull import Peer, PeerFetcher
+from ember.services.kvstore.store import BlockStore, LeaseError
 from tests.test_kv_wire import LAYOUT, TEMPLATE, kv_like
 
 BLOCK = 4096

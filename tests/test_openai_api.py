@@ -81,7 +81,7 @@ def test_tools_reach_the_chat_template(model_path):
     from ember.model.files import model_folder
     from ember.model.tokenizer import Tokenizer
     from ember.v1 import router_pb2
-    from services.router.service import RouterService
+    from ember.services.router.service import RouterService
     base = Tokenizer.from_folder(model_folder(model_path))
     template = "{% for t in tools or [] %}TOOL:{{ t.function.name }};{% endfor %}{{ messages[-1].content }}"
     tokenizer = Tokenizer(base.backend, template, bos_token=base.bos_token, eos_token=base.eos_token)

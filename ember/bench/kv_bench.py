@@ -1,6 +1,6 @@
 """`ember bench kv`: how fast KV blocks move, and how much the lossless codec saves.
 
-Real kvstore processes (`python -m services.kvstore`), real KV blocks (the model's own KV
+Real kvstore processes (`python -m ember.services.kvstore`), real KV blocks (the model's own KV
 for an English prompt, as wire frames), alternating rep by rep so every path sees the
 same machine state:
 - raw loopback TCP, one sender thread, one receiver: between hot 1 MiB buffers (the
@@ -141,7 +141,7 @@ class KVStoreProcess:
         self.log = run_dir / f"{name}.log"
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "services.kvstore", "--listen", self.address,
+            self.proc = subprocess.Popen([sys.executable, "-m", "ember.services.kvstore", "--listen", self.address,
                                           "--data-listen", self.data, "--capacity-mb", str(capacity_mb),
                                           "--codec", codec_mode], stdout=log, stderr=subprocess.STDOUT,
                                          cwd=REPO_ROOT, env=env)

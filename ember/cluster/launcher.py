@@ -1,6 +1,6 @@
 """`ember up` / `ember down`: the local cluster as separate processes.
 
-Each service runs as `python -m services.<name>` in its own session (it outlives the
+Each service runs as `python -m ember.services.<name>` in its own session (it outlives the
 `ember up` command), logging to RUN_DIR/<name>.log; pids go to RUN_DIR/pids.json.
 `up` returns once every service reports SERVING on grpc.health.v1.
 """
@@ -80,7 +80,7 @@ def service_commands(config: ClusterConfig, config_path: Path, run_dir: Path | N
     for site in config.sites:
         if not site.has("kvstore"):
             continue
-        argv = [py, "-m", "services.kvstore", "--listen", site.kvstore, "--site", site.name,
+        argv = [py, "-m", "ember.services.kvstore", "--listen", site.kvstore, "--site", site.name,
                 "--capacity-mb", str(config.kvstore_capacity_mb), "--codec", config.kvstore_codec,
                 "--directory", config.directory_url(), "--directory-ttl-s", str(config.directory_ttl_s)]
         if site.kvstore_data:
@@ -90,12 +90,12 @@ def service_commands(config: ClusterConfig, config_path: Path, run_dir: Path | N
         argv += [a for r in routes.get(f"kvstore-{site.name}", []) for a in ("--route", r)]
         commands[f"kvstore-{site.name}"] = (argv, site.kvstore)
         if site.has("prefill") and (config.regions or site.name == config.prefill_site):
-            commands[f"prefill-{site.name}"] = ([py, "-m", "services.prefill", "--config", cfg, "--site", site.name],
+            commands[f"prefill-{site.name}"] = ([py, "-m", "ember.services.prefill", "--config", cfg, "--site", site.name],
                                                 site.prefill)
         if site.has("decode") and (config.regions or site.name == config.decode_site):
-            commands[f"decode-{site.name}"] = ([py, "-m", "services.decode", "--config", cfg, "--site", site.name],
+            commands[f"decode-{site.name}"] = ([py, "-m", "ember.services.decode", "--config", cfg, "--site", site.name],
                                                site.decode)
-    router = [py, "-m", "services.router", "--config", cfg] + [a for r in routes["router"] for a in ("--route", r)]
+    router = [py, "-m", "ember.services.router", "--config", cfg] + [a for r in routes["router"] for a in ("--route", r)]
     commands["router"] = (router, config.router)
     for argv, address in commands.values():
         if address is not None:  # every gRPC service also serves Prometheus /metrics

@@ -1,10 +1,10 @@
-"""python -m services.decode --config CLUSTER.yaml --site NAME"""
+"""python -m ember.services.decode --config CLUSTER.yaml --site NAME"""
 from __future__ import annotations
 
 from ember.rpc.server import run_service
 from ember.v1 import decode_pb2, decode_pb2_grpc
-from services.common import engine_args, load, serve_engine_service
-from services.decode.service import DecodeService
+from ember.services.common import engine_args, load, serve_engine_service
+from ember.services.decode.service import DecodeService
 
 
 async def main(args) -> None:
@@ -16,5 +16,5 @@ async def main(args) -> None:
 
 
 if __name__ == "__main__":
-    args = engine_args("services.decode")
+    args = engine_args("ember.services.decode")
     run_service(lambda: main(args), "decode")

@@ -1,4 +1,4 @@
-"""python -m services.kvstore --listen HOST:PORT [--capacity-mb N] [--data-listen HOST:PORT]
+"""python -m ember.services.kvstore --listen HOST:PORT [--capacity-mb N] [--data-listen HOST:PORT]
 [--shm-socket PATH|@NAME|off] [--codec auto|raw|planes] [--site NAME --directory URL]"""
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from ember.rpc import metrics
 from ember.rpc.directory import open_directory
 from ember.rpc.server import Server, bind_address, run_service
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
-from services.kvstore.publisher import Publisher
-from services.kvstore.service import KVStoreService
-from services.kvstore.store import BlockStore
+from ember.services.kvstore.publisher import Publisher
+from ember.services.kvstore.service import KVStoreService
+from ember.services.kvstore.store import BlockStore
 
 
 async def main(args) -> None:
@@ -49,7 +49,7 @@ async def main(args) -> None:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="services.kvstore")
+    p = argparse.ArgumentParser(prog="ember.services.kvstore")
     p.add_argument("--listen", required=True)
     p.add_argument("--capacity-mb", type=int, default=1024)
     p.add_argument("--data-listen", help="HOST:PORT for the TCP block data plane (faster than gRPC)")

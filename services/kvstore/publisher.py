@@ -13,7 +13,7 @@ import logging
 import time
 
 from ember.kv.directory import BlockDirectory
-from services.kvstore.store import BlockStore
+from ember.services.kvstore.store import BlockStore
 
 log = logging.getLogger("ember.kvstore.publisher")
 

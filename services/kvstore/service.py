@@ -11,8 +11,8 @@ from ember.kv.chunks import Assembler, split
 from ember.rpc import metrics, tracing
 from ember.rpc.errors import RpcError
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
-from services.kvstore.pull import PeerFetcher, file_frame
-from services.kvstore.store import BlockStore, LeaseError
+from ember.services.kvstore.pull import PeerFetcher, file_frame
+from ember.services.kvstore.store import BlockStore, LeaseError
 
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):

@@ -1,10 +1,10 @@
-"""python -m services.prefill --config CLUSTER.yaml --site NAME"""
+"""python -m ember.services.prefill --config CLUSTER.yaml --site NAME"""
 from __future__ import annotations
 
 from ember.rpc.server import run_service
 from ember.v1 import prefill_pb2, prefill_pb2_grpc
-from services.common import engine_args, load, serve_engine_service, tokenizer
-from services.prefill.service import PrefillService
+from ember.services.common import engine_args, load, serve_engine_service, tokenizer
+from ember.services.prefill.service import PrefillService
 
 
 async def main(args) -> None:
@@ -17,5 +17,5 @@ async def main(args) -> None:
 
 
 if __name__ == "__main__":
-    args = engine_args("services.prefill")
+    args = engine_args("ember.services.prefill")
     run_service(lambda: main(args), "prefill")

@@ -1,4 +1,4 @@
-"""python -m services.router --config CLUSTER.yaml"""
+"""python -m ember.services.router --config CLUSTER.yaml"""
 from __future__ import annotations
 
 import argparse
@@ -14,10 +14,10 @@ from ember.rpc import metrics
 from ember.rpc.directory import DirectoryService
 from ember.rpc.server import Server, run_service
 from ember.v1 import directory_pb2_grpc, router_pb2, router_pb2_grpc
-from services.common import REPO_ROOT, load
-from services.router import openai_http
-from services.router.service import RouterService
-from services.router.stubs import SiteStubs
+from ember.services.common import REPO_ROOT, load
+from ember.services.router import openai_http
+from ember.services.router.service import RouterService
+from ember.services.router.stubs import SiteStubs
 
 
 async def main(args) -> None:
@@ -53,7 +53,7 @@ async def main(args) -> None:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="services.router")
+    p = argparse.ArgumentParser(prog="ember.services.router")
     p.add_argument("--config", required=True)
     p.add_argument("--metrics-listen", help="HOST:PORT serving Prometheus /metrics")
     p.add_argument("--route", action="append", default=[], metavar="ADDRESS=RELAY",

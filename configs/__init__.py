@@ -1,0 +1,1 @@
+"""The shipped cluster configs (local.yaml is what `ember up` runs by default)."""

@@ -1,0 +1,1 @@
+"""The cluster config: one pydantic schema for every service (see schema.py)."""
