@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from contextlib import nullcontext
 
 import grpc
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 
 from ember.engine.errors import CapacityError, IntegrityError, InvalidRequestError
@@ -55,7 +54,10 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
-    """Turns exceptions escaping a handler into the right status and a log line."""
+    """Turns exceptions escaping a handler into the right status and a log line.
+
+    It runs inside the instrumentation's SERVER span (`tracing.server_interceptor` comes first
+    on the server), so the status it records lands on that span."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -70,60 +72,34 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 log.exception("%s failed", method)
             else:
                 log.info("%s -> %s: %s", method, code.name, message)
-            await context.abort(code, message)
-
-        traced = not method.startswith("/grpc.")  # health checks and reflection stay out of traces
-
-        def span(context):
-            return tracing.server_span(method, context.invocation_metadata()) if traced else nullcontext()
-
-        def failed(exc) -> None:
-            code, message = status_for(exc)
             tracing.annotate(status_code=code.name)
             trace.get_current_span().set_status(trace.Status(trace.StatusCode.ERROR, message))
+            await context.abort(code, message)
 
         def wrap_unary(fn):
             async def wrapped(request, context):
                 logs.request_id.set(getattr(request, "request_id", ""))
-                with span(context):
-                    try:
-                        return await fn(request, context)
-                    except asyncio.CancelledError:
-                        raise
-                    except grpc.aio.AbortError:
-                        raise
-                    except Exception as exc:  # noqa: BLE001
-                        failed(exc)
-                        await abort(context, exc)
+                try:
+                    return await fn(request, context)
+                except (asyncio.CancelledError, grpc.aio.AbortError):
+                    raise
+                except Exception as exc:  # noqa: BLE001
+                    await abort(context, exc)
             return wrapped
 
         def wrap_stream(fn):
             async def wrapped(request, context):
-                # gRPC may drive each step of a streaming handler from a fresh context copy,
-                # so the span is made current again around every step, not once
-                span = tracing.start_server_span(method, context.invocation_metadata()) if traced else None
-                current = trace.set_span_in_context(span) if span is not None else otel_context.get_current()
                 logs.request_id.set(getattr(request, "request_id", ""))
-                steps = fn(request, context)
-                try:
-                    while True:
-                        token = otel_context.attach(current)
-                        try:
-                            item = await steps.__anext__()
-                        except StopAsyncIteration:
-                            return
-                        except (asyncio.CancelledError, grpc.aio.AbortError):
-                            raise
-                        except Exception as exc:  # noqa: BLE001
-                            failed(exc)
-                            await abort(context, exc)
-                        finally:
-                            otel_context.detach(token)
-                        yield item
-                finally:
-                    await steps.aclose()
-                    if span is not None:
-                        span.end()
+                # aclosing: a stream closed early closes the handler now (its finally cancels
+                # downstream calls, frees the sequence), not whenever it is collected
+                async with contextlib.aclosing(fn(request, context)) as steps:
+                    try:
+                        async for item in steps:
+                            yield item
+                    except (asyncio.CancelledError, grpc.aio.AbortError):
+                        raise
+                    except Exception as exc:  # noqa: BLE001
+                        await abort(context, exc)
             return wrapped
 
         if handler.unary_unary:

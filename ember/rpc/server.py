@@ -30,7 +30,7 @@ def bind_address(address: str) -> str:
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    """A client channel that carries the trace context of the calling request."""
+    """A client channel that carries the trace context of the calling request (a CLIENT span per call)."""
     return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
                                      interceptors=tracing.client_interceptors())
 
@@ -41,7 +41,9 @@ class Server:
     def __init__(self, address: str, service_names: list[str]):
         self.address = address
         self.service_names = service_names
-        self.server = grpc.aio.server(interceptors=[ErrorInterceptor()], options=CHANNEL_OPTIONS)
+        # the SERVER span first, so the error interceptor's status lands on it
+        self.server = grpc.aio.server(interceptors=[tracing.server_interceptor(), ErrorInterceptor()],
+                                      options=CHANNEL_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(service_names + [reflection.SERVICE_NAME, health.SERVICE_NAME],

@@ -1,11 +1,15 @@
 """OpenTelemetry for every service: one request is one trace across router, prefill,
 kvstores and decode.
 
-The W3C trace context travels in gRPC metadata (`traceparent`): `TracingClientInterceptor`
-injects the current context into every outgoing call of a channel made by
-`ember.rpc.server.channel`; the server side (`server_span`, used by the error interceptor)
-extracts it and runs the handler in a SERVER span. Handlers add the attributes that tell the
-story (placement, tokens computed/cached, KV blocks/bytes/codec, tokens/TPOT).
+The W3C trace context travels in gRPC metadata (`traceparent`), carried by
+opentelemetry-instrumentation-grpc: its aio client interceptors (`client_interceptors`, on
+every channel made by `ember.rpc.server.channel`) make a CLIENT span per outgoing call and
+inject it; its aio server interceptor (`server_interceptor`, outermost on every
+`ember.rpc.server.Server`) extracts it and runs the handler in a SERVER span named after the
+full method (`/ember.v1.Prefill/Prefill`). Health checks and reflection (`/grpc.*`) stay out
+of traces. Handlers add the attributes that tell the story (placement, tokens computed/cached,
+KV blocks/bytes/codec, tokens/TPOT). The router's OpenAI HTTP API is traced by
+opentelemetry-instrumentation-aiohttp-server (services/router/openai_http.py).
 
 Exporters: OTLP over gRPC when OTEL_EXPORTER_OTLP_ENDPOINT is set; else JSON lines in
 $EMBER_TRACE_DIR/<service>-<pid>.jsonl when that is set (`ember up` sets it to the run dir);
@@ -21,6 +25,7 @@ from collections.abc import Sequence
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor, filters
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
@@ -61,20 +66,20 @@ def setup(service_name: str) -> None:
     trace.set_tracer_provider(provider)
 
 
-def _parent(metadata):
-    return propagate.extract({k: v for k, v in (metadata or ()) if isinstance(v, str)})
+def _traced():
+    """Health checks and reflection (`/grpc.health.v1.Health/Check`, ...) stay out of traces."""
+    return filters.negate(filters.service_prefix("grpc."))
 
 
-def server_span(method: str, metadata):
-    """A context manager: the SERVER span of one incoming call, child of the caller's span."""
-    return tracer.start_as_current_span(method.rsplit("/", 1)[-1], context=_parent(metadata),
-                                        kind=trace.SpanKind.SERVER, attributes={"rpc.method": method})
+def client_interceptors() -> list:
+    """CLIENT spans for, and trace context in the metadata of, every call of a channel."""
+    return aio_client_interceptors(filter_=_traced())
 
 
-def start_server_span(method: str, metadata) -> trace.Span:
-    """The same span, not made current (streaming handlers make it current step by step)."""
-    return tracer.start_span(method.rsplit("/", 1)[-1], context=_parent(metadata), kind=trace.SpanKind.SERVER,
-                             attributes={"rpc.method": method})
+def server_interceptor() -> grpc.aio.ServerInterceptor:
+    """The SERVER span of each incoming call, child of the caller's span (put it first, so the
+    interceptors after it, and the handler, run inside the span)."""
+    return aio_server_interceptor(filter_=_traced())
 
 
 def annotate(**attributes) -> None:
@@ -103,38 +108,3 @@ def carried(carrier: dict[str, str] | None):
         yield
     finally:
         otel_context.detach(token)
-
-
-def _with_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier, context=otel_context.get_current())
-    if not carrier:
-        return details
-    metadata = list(details.metadata or ()) + list(carrier.items())
-    return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
-                                      details.wait_for_ready)
-
-
-class _UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, details, request):
-        return await continuation(_with_context(details), request)
-
-
-class _UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, details, request):
-        return await continuation(_with_context(details), request)
-
-
-class _StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, details, request_iterator):
-        return await continuation(_with_context(details), request_iterator)
-
-
-class _StreamStream(grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, details, request_iterator):
-        return await continuation(_with_context(details), request_iterator)
-
-
-def client_interceptors() -> list:
-    """One per call shape: grpc.aio files each interceptor under a single shape only."""
-    return [_UnaryUnary(), _UnaryStream(), _StreamUnary(), _StreamStream()]
