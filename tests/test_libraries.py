@@ -163,3 +163,177 @@ def test_grpc_instrumentation_keeps_streaming_handlers_in_their_span(exporter, c
     cancelled = [s for s in spans if s.kind == trace.SpanKind.SERVER and s.name == "/test.Echo/Stream"
                  and "ember.step_0" in s.attributes and "ember.step_1" not in s.attributes]
     assert len(cancelled) == 1, "the cancelled stream's span ended too"
+
+
+class _FakeRouter:
+    """What OpenAIApp needs of RouterService; Generate records its request and, when given an
+    address, makes a gRPC call there (as the real one calls prefill and decode)."""
+    model_id, max_model_len = "fake-model", 2048
+
+    def __init__(self, call: str | None = None):
+        self.requests, self.call = [], call
+
+    async def Generate(self, request, context):
+        from ember.v1 import common_pb2, router_pb2
+        self.requests.append(request)
+        tracing.annotate(request_id="http-1")
+        if self.call:
+            async with channel(self.call) as ch:
+                assert await ch.unary_unary("/test.Echo/Unary")(b"from-http", timeout=10) == b"from-http"
+        yield router_pb2.GenerateResponse(text="Hello")
+        yield router_pb2.GenerateResponse(text=" there", finished=True, finish_reason="stop",
+                                          usage=common_pb2.Usage(prompt_tokens=5, completion_tokens=2))
+
+
+async def _http(service, requests: list[tuple[str, bytes]]) -> list[tuple[int, dict]]:
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from ember.services.router.openai_http import OpenAIApp
+    out = []
+    async with TestClient(TestServer(OpenAIApp(service).app)) as client:
+        for path, body in requests:
+            response = await client.post(path, data=body, headers={"Content-Type": "application/json"})
+            out.append((response.status, await response.json()))
+    return out
+
+
+USER = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages.0.content.0.text"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages.0.role"),
+    ({"messages": USER, "max_tokens": -1}, "max_tokens"),
+    ({"messages": USER, "max_tokens": "12"}, "max_tokens"),
+    ({"messages": USER, "max_completion_tokens": 0}, "max_completion_tokens"),
+    ({"messages": USER, "temperature": "hot"}, "temperature"),
+    ({"messages": USER, "temperature": -0.5}, "temperature"),
+    ({"messages": USER, "top_p": 1.5}, "top_p"),
+    ({"messages": USER, "top_k": -1}, "top_k"),
+    ({"messages": USER, "seed": -1}, "seed"),
+    ({"messages": USER, "n": 2}, "n"),
+    ({"messages": USER, "stop": 5}, "stop"),
+    ({"messages": USER, "stop": ["ok", ""]}, "stop.1"),
+    ({"messages": USER, "stream": "yes"}, "stream"),
+    ({"messages": USER, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
+    ({"messages": []}, "messages"),
+    ({"model": "x"}, "messages"),
+    (b"{not json", None),
+    (b"", None),
+    (b"[1, 2]", None),
+])
+def test_bad_openai_bodies_are_400_naming_the_field(body, param):
+    raw = body if isinstance(body, bytes) else __import__("json").dumps(body)
+    service = _FakeRouter()
+    [(status, answer)] = asyncio.run(_http(service, [("/v1/chat/completions", raw)]))
+    assert status == 400, answer
+    error = answer["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+    if param:
+        assert error["message"].startswith(f"{param}: ")
+    assert service.requests == [], "nothing reached the router"
+
+
+def test_bad_completion_prompt_is_400():
+    [(status, answer)] = asyncio.run(_http(_FakeRouter(), [("/v1/completions", b'{"prompt": ["a", "b"]}')]))
+    assert status == 400 and answer["error"]["param"] == "prompt"
+
+
+def test_openai_bodies_become_generate_requests():
+    import json
+    service = _FakeRouter()
+    chat = {"model": "fake-model", "messages": [{"role": "system", "content": "Be brief."},
+                                                {"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                             {"type": "image_url", "image_url": {}},
+                                                                             {"type": "text", "text": "b"}]},
+                                                {"role": "assistant", "content": None}],
+            "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0, "top_p": 0.9, "seed": 3, "stop": "\n",
+            "user": "someone", "stream_options": {"include_usage": True}, "logit_bias": {}, "frequency_penalty": 0,
+            "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
+            "top_k": 4, "ignore_eos": True, "user_region": "edge", "session_id": "s1"}
+    results = asyncio.run(_http(service, [("/v1/chat/completions", json.dumps(chat).encode()),
+                                          ("/v1/completions", b'{"prompt": ["Once"]}')]))
+    assert [status for status, _ in results] == [200, 200]
+    assert results[0][1]["choices"][0]["message"] == {"role": "assistant", "content": "Hello there"}
+    assert results[1][1]["choices"][0]["text"] == "Hello there"
+    pb, text = service.requests
+    assert [(m.role, m.content) for m in pb.chat.messages] == [("system", "Be brief."), ("user", "ab"),
+                                                                ("assistant", "")]
+    assert json.loads(pb.chat.tools_json) == chat["tools"]
+    s = pb.sampling
+    assert (s.max_tokens, s.top_k, s.seed, list(s.stop), s.ignore_eos) == (7, 4, 3, ["\n"], True)
+    assert s.temperature == 0 and abs(s.top_p - 0.9) < 1e-6
+    assert (pb.model, pb.user_region, pb.session_id) == ("fake-model", "edge", "s1")
+    assert text.text == "Once" and text.sampling.max_tokens == 256 and not text.sampling.HasField("seed")
+
+
+def test_an_http_request_is_one_trace_with_the_grpc_calls_it_makes(exporter):
+    """opentelemetry-instrumentation-aiohttp-server: each request is a SERVER span, what the
+    handler annotates lands on it, and the gRPC calls it makes are its children; /health is not traced."""
+    import json
+
+    async def scenario():
+        address = f"127.0.0.1:{free_port()}"
+        server = Server(address, ["test.Echo"])
+        server.server.add_generic_rpc_handlers((_echo_service(address, []),))
+        await server.server.start()
+        try:
+            from aiohttp.test_utils import TestClient, TestServer
+
+            from ember.services.router.openai_http import OpenAIApp
+            async with TestClient(TestServer(OpenAIApp(_FakeRouter(call=address)).app)) as client:
+                assert (await client.get("/health")).status == 200
+                response = await client.post("/v1/chat/completions", data=json.dumps({"messages": USER}))
+                assert response.status == 200, await response.text()
+        finally:
+            await server.server.stop(0)
+
+    exporter.clear()
+    asyncio.run(scenario())
+    spans = exporter.get_finished_spans()
+    [http] = [s for s in spans if s.kind == trace.SpanKind.SERVER and s.name == "POST /v1/chat/completions"]
+    assert http.parent is None and http.attributes["ember.request_id"] == "http-1"
+    assert not [s for s in spans if "/health" in s.name]
+    mine = [s for s in spans if s.context.trace_id == http.context.trace_id]
+    [call] = [s for s in mine if s.kind == trace.SpanKind.CLIENT]
+    [echo] = [s for s in mine if s.kind == trace.SpanKind.SERVER and s.name == "/test.Echo/Unary"]
+    assert call.parent.span_id == http.context.span_id and echo.parent.span_id == call.context.span_id
+    assert echo.attributes["ember.unary_got"] == "from-http"
+
+
+def test_status_scrape_reads_prometheus_text():
+    """`ember status` reads a service's /metrics with prometheus_client's parser: the unlabelled
+    names rows() looks up, counters' _total, histograms' _count, labels kept."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from ember.cluster import status
+    registry = CollectorRegistry()
+    Gauge("ember:num_requests_running", "running", registry=registry).set(3)
+    Gauge("ember:kv_cache_usage_perc", "usage", registry=registry).set(0.25)
+    Histogram("ember:e2e_request_latency_seconds", "e2e", registry=registry).observe(0.5)
+    Counter("ember:request_errors", "errors", ["code", "method"], registry=registry).labels(
+        "INVALID_ARGUMENT", "/ember.v1.Router/Generate").inc(2)
+    body = generate_latest(registry)
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+    server = HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        m = status.scrape(f"127.0.0.1:{server.server_port}")
+    finally:
+        server.shutdown()
+    assert m["ember:num_requests_running"] == 3 and m["ember:kv_cache_usage_perc"] == 0.25
+    assert m["ember:e2e_request_latency_seconds_count"] == 1 and m["ember:e2e_request_latency_seconds_sum"] == 0.5
+    assert m['ember:request_errors_total{code="INVALID_ARGUMENT",method="/ember.v1.Router/Generate"}'] == 2
+    assert status.scrape(None) == {} and status.scrape(f"127.0.0.1:{free_port()}") == {}

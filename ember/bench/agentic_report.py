@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from dataclasses import asdict
 from pathlib import Path
+
+from tqdm import tqdm
 
 from ember.bench.agentic_systems import Record
 
@@ -89,29 +90,38 @@ def _target(value, target, met) -> dict:
             "met": None if value is None else bool(met)}
 
 
+class _Lines:
+    """A log (not a terminal) gets each tqdm redraw as a line of its own, not `\r` overwrites."""
+
+    def __init__(self, stream):
+        self.stream, self.last = stream, None
+
+    def write(self, s: str) -> None:
+        line = s.strip("\r\n").rstrip()
+        if line and line != self.last:  # (closing redraws the last state once more)
+            self.stream.write(line + "\n")
+            self.last = line
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+
 class ProgressBar:
-    """One updating stderr line per phase and system: done/total requests, elapsed, latest TTFT."""
+    """One updating stderr line per phase and system (tqdm): done/total requests, elapsed,
+    latest TTFT. A terminal redraws in place; a log gets a line per eighth, not per request."""
 
     def __init__(self, label: str, total: int, stream=sys.stderr):
-        self.label, self.total, self.done, self.stream = label, total, 0, stream
-        self.start = time.perf_counter()
-        self.tty = stream.isatty()
-        self._draw("")
+        tty = stream.isatty()
+        self.bar = tqdm(total=total, desc=f"[bench] {label:<34}", file=stream if tty else _Lines(stream),
+                        bar_format="{desc} |{bar:24}| {n_fmt}/{total_fmt} {elapsed_s:6.1f}s{postfix}",
+                        ascii=".#", dynamic_ncols=False, leave=True,
+                        **({} if tty else {"mininterval": 0, "miniters": max(1, total // 8)}))
 
     def step(self, note: str) -> None:
-        self.done += 1
-        self._draw(note)
-
-    def _draw(self, note: str) -> None:
-        width = 24
-        filled = width * self.done // max(1, self.total)
-        line = (f"[bench] {self.label:<34} |{'#' * filled}{'.' * (width - filled)}| {self.done}/{self.total} "
-                f"{time.perf_counter() - self.start:6.1f}s {note}")
-        if self.tty:
-            self.stream.write("\r\x1b[2K" + line + ("\n" if self.done >= self.total else ""))
-        elif self.done in (0, self.total) or self.done % max(1, self.total // 8) == 0:
-            self.stream.write(line + "\n")  # logs get a line per eighth, not per request
-        self.stream.flush()
+        self.bar.set_postfix_str(note, refresh=False)
+        self.bar.update(1)
+        if self.bar.n >= self.bar.total:
+            self.bar.close()
 
 
 def plot(result: dict, out_dir: Path) -> list[str]:

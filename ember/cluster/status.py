@@ -8,6 +8,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 
 def health(address: str) -> str:
@@ -20,20 +21,21 @@ def health(address: str) -> str:
 
 
 def scrape(address: str | None) -> dict[str, float]:
+    """Every sample of the service's /metrics (Prometheus text, prometheus_client's parser)."""
     if not address:
         return {}
     try:
         text = urllib.request.urlopen(f"http://{address}/metrics", timeout=2).read().decode()
     except OSError:
         return {}
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            try:
-                values[name] = float(value)
-            except ValueError:
-                pass
+    values: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:  # name, or name{label="value",...} as exposed
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    except ValueError:  # a malformed exposition: what parsed before it
+        pass
     return values
 
 

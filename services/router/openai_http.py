@@ -9,17 +9,25 @@ openai client): `user_region`, `session_id`, `top_k`, `ignore_eos`.
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 
 import grpc
 from aiohttp import web
+from opentelemetry.instrumentation.aiohttp_server import AioHttpServerInstrumentor
+from pydantic import ValidationError
 
 from ember.rpc.errors import status_for
 from ember.rpc.server import bind_address
+from ember.services.router.openai_models import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationRequest,
+    invalid_request,
+)
 from ember.v1 import common_pb2, router_pb2
 
-DEFAULT_MAX_TOKENS = 256
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
@@ -29,12 +37,6 @@ HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
     grpc.StatusCode.DATA_LOSS: (500, "server_error"),
 }
-
-
-class BadRequest(ValueError):
-    def __init__(self, message: str, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 def error_response(status: int, kind: str, message: str, param: str | None = None) -> web.Response:
@@ -52,42 +54,29 @@ class _Deadline:
         return max(0.0, self.deadline - time.monotonic())
 
 
-def _sampling(body: dict) -> common_pb2.SamplingParams:
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens")) or DEFAULT_MAX_TOKENS
-    if not isinstance(max_tokens, int) or max_tokens <= 0:
-        raise BadRequest("max_tokens must be a positive integer", "max_tokens")
-    if body.get("n", 1) != 1:
-        raise BadRequest("only n=1 is supported", "n")
-    stop = body.get("stop") or []
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-        raise BadRequest("stop must be a string or a list of strings", "stop")
-    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, stop=stop,
-                                         ignore_eos=bool(body.get("ignore_eos", False)))
-    for field, pb_field, kind in (("temperature", "temperature", (int, float)), ("top_p", "top_p", (int, float)),
-                                  ("top_k", "top_k", int), ("seed", "seed", int)):
-        if body.get(field) is not None:
-            if not isinstance(body[field], kind) or isinstance(body[field], bool):
-                raise BadRequest(f"{field} must be a number", field)
-            setattr(sampling, pb_field, body[field])
+def _sampling(body: GenerationRequest) -> common_pb2.SamplingParams:
+    sampling = common_pb2.SamplingParams(max_tokens=body.new_tokens, stop=body.stop or [], ignore_eos=body.ignore_eos)
+    for field in ("temperature", "top_p", "top_k", "seed"):
+        if getattr(body, field) is not None:
+            setattr(sampling, field, getattr(body, field))
     return sampling
 
 
-def _content(message: dict, i: int) -> str:
-    content = message.get("content")
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-    raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
+def _traced_app() -> web.Application:
+    """An aiohttp app whose every request is a SERVER span (opentelemetry-instrumentation-
+    aiohttp-server); the gRPC calls a request makes are its children. /health stays out."""
+    if not (os.environ.get("OTEL_PYTHON_AIOHTTP_SERVER_EXCLUDED_URLS") or os.environ.get("OTEL_PYTHON_EXCLUDED_URLS")):
+        os.environ["OTEL_PYTHON_AIOHTTP_SERVER_EXCLUDED_URLS"] = "^/health$"
+    # the middleware needs the instrumentor's set-up (tracer, exclusions, metrics); once
+    # instrumented, every web.Application starts with the middleware (idempotent)
+    AioHttpServerInstrumentor().instrument()
+    return web.Application()
 
 
 class OpenAIApp:
     def __init__(self, service, timeout_s: float = 600.0):
         self.service, self.timeout_s = service, timeout_s
-        self.app = web.Application()
+        self.app = _traced_app()
         self.app.add_routes([web.get("/v1/models", self.models), web.post("/v1/chat/completions", self.chat),
                              web.post("/v1/completions", self.completions), web.get("/health", self.health)])
 
@@ -99,54 +88,32 @@ class OpenAIApp:
             {"id": self.service.model_id, "object": "model", "created": 0, "owned_by": "ember",
              "max_model_len": self.service.max_model_len}]})
 
-    async def _body(self, request: web.Request) -> dict:
-        try:
-            body = await request.json()
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise BadRequest("the request body is not JSON") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the request body must be a JSON object")
-        return body
-
-    def _request(self, body: dict, **inp) -> router_pb2.GenerateRequest:
-        return router_pb2.GenerateRequest(model=body.get("model") or "", sampling=_sampling(body),
-                                          user_region=body.get("user_region", ""),
-                                          session_id=body.get("session_id", ""), **inp)
+    def _request(self, body: GenerationRequest, **inp) -> router_pb2.GenerateRequest:
+        return router_pb2.GenerateRequest(model=body.model or "", sampling=_sampling(body),
+                                          user_region=body.user_region or "", session_id=body.session_id or "",
+                                          **inp)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
-        async def build():
-            body = await self._body(request)
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise BadRequest("messages must be a non-empty list", "messages")
-            chat = router_pb2.ChatInput(messages=[
-                router_pb2.ChatMessage(role=str(m.get("role", "")), content=_content(m, i))
-                for i, m in enumerate(messages) if isinstance(m, dict)])
-            if len(chat.messages) != len(messages):
-                raise BadRequest("every message must be an object with role and content", "messages")
-            if body.get("tools") and body.get("tool_choice") != "none":
-                chat.tools_json = json.dumps(body["tools"])
-            return body, self._request(body, chat=chat)
-        return await self._run(request, build, chat=True)
+        def build(body: ChatCompletionRequest) -> router_pb2.GenerateRequest:
+            chat = router_pb2.ChatInput(messages=[router_pb2.ChatMessage(role=m.role, content=m.text)
+                                                  for m in body.messages])
+            if body.tools and body.tool_choice != "none":
+                chat.tools_json = json.dumps(body.tools)
+            return self._request(body, chat=chat)
+        return await self._run(request, ChatCompletionRequest, build, chat=True)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        async def build():
-            body = await self._body(request)
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if not isinstance(prompt, str):
-                raise BadRequest("prompt must be a string", "prompt")
-            return body, self._request(body, text=prompt)
-        return await self._run(request, build, chat=False)
+        def build(body: CompletionRequest) -> router_pb2.GenerateRequest:
+            return self._request(body, text=body.prompt)
+        return await self._run(request, CompletionRequest, build, chat=False)
 
-    async def _run(self, http: web.Request, build, chat: bool) -> web.StreamResponse:
+    async def _run(self, http: web.Request, model: type[GenerationRequest], build, chat: bool) -> web.StreamResponse:
         try:
-            body, pb = await build()
-        except BadRequest as e:
-            return error_response(400, "invalid_request_error", str(e), e.param)
-        stream = bool(body.get("stream"))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            body = model.model_validate_json(await http.read())
+        except ValidationError as e:
+            return error_response(400, "invalid_request_error", *invalid_request(e))
+        pb = build(body)
+        stream, include_usage = body.stream, body.include_usage
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
         generator = self.service.Generate(pb, _Deadline(self.timeout_s))
