@@ -1,0 +1,43 @@
+"""Values that follow from the model and the engine settings, never configured by hand
+(torch-free: read from the model's config.json and the converter's metadata)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from ember.config.schema import ClusterConfig
+from ember.kv.block_hash import KVLayout
+from ember.model.args import read_model_args
+from ember.model.files import model_folder, resolve_serving, serving_kv_layout
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    path: Path            # the configured file or folder
+    folder: Path          # its HF-layout folder (a GGUF's converted cache)
+    model_id: str         # what /v1/models lists
+    dtype: str            # the engine dtype and weights mode, "auto" resolved
+    weights: str
+    kv_layout: KVLayout   # what every engine of the cluster writes; its root hash names the blocks
+    max_model_len: int
+    vocab_size: int
+
+
+def model_facts(config: ClusterConfig) -> ModelFacts:
+    path = config.model_path()
+    folder = model_folder(path)
+    if not (folder / "config.json").exists():
+        hint = "`ember up` fetches and converts it" if path.suffix == ".gguf" else "check `model:` in the config"
+        raise FileNotFoundError(f"model not ready: {folder / 'config.json'} is missing ({hint})")
+    e = config.engine
+    dtype, weights = resolve_serving(path, e.dtype, e.weights)
+    args = read_model_args(folder)
+    return ModelFacts(path, folder, folder.name.removesuffix(".ember"), dtype, weights,
+                      serving_kv_layout(path, dtype, weights, e.block_size),
+                      min(e.max_model_len or args.max_position, args.max_position), args.vocab_size)
+
+
+def kv_bytes_per_token(config: ClusterConfig) -> int:
+    """What the placer prices link transfers at: the configured value (a simulation of another
+    model), else the model's KV layout in the engine dtype."""
+    return config.placement.kv_bytes_per_token or model_facts(config).kv_layout.bytes_per_token

@@ -1,0 +1,299 @@
+"""The cluster config: one pydantic schema, one YAML file, every service reads its own section.
+
+    model       a named model (fetched into the user cache) or a path relative to the file
+    router      the edge service: gRPC and OpenAI HTTP addresses, its site
+    placement   policy and its knobs, fixed sites, emulated links
+    sites       name, tier, region, hardware, capacity and the address of each role there
+    links, regions, hardware   the edge-placement topology
+    engine      settings of every engine (ember.engine.config.EngineSettings), with per-role
+                overrides under engine.prefill / engine.decode
+    kvstore     capacity, codec, shared memory (every site's store)
+    directory   where blocks are found: Redis, or the router's in-memory directory
+
+Each setting has one name and one default, here. Values that follow from the model (the KV
+layout, KV bytes per token) are derived (ember.config.derived), not configured. Errors name
+the key, what was given and what to change; an unknown key is an error that names it.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, PrivateAttr, field_validator, model_validator
+
+from ember.config.section import Section
+from ember.engine.config import EngineSettings
+from ember.model.fetch import DEFAULT_MODEL, resolve_model
+
+ROLES = ("prefill", "decode", "kvstore")
+ENGINE_ROLES = ("prefill", "decode")
+# Engine settings a role may set for itself. The rest name the bytes of a KV block (dtype,
+# weights, block size) or the request limit the router checks, so both roles must agree.
+ROLE_SETTINGS = ("kv_cache_mb", "kv_cache_memory_fraction", "max_num_seqs", "max_num_batched_tokens", "threads")
+
+
+def _address(value: str) -> str:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{value!r} is not HOST:PORT (e.g. 127.0.0.1:50061)")
+    return value
+
+
+class HardwareProfile(Section):
+    """Speed model of one site's accelerators (fit from `ember bench engine`, or vendor numbers)."""
+    prefill_tokens_per_s: float = Field(gt=0)
+    prefill_context_tokens: float = Field(8192, gt=0, description="attended context at which the per-token "
+                                                                  "prefill cost doubles")
+    decode_tokens_per_s: float = Field(gt=0, description="one stream")
+    decode_batch_tokens_per_s: float = Field(gt=0, description="aggregate, at max_batch")
+    max_batch: int = Field(64, gt=0)
+    pool: Literal["mixed", "prefill-heavy", "decode-heavy"] = "mixed"
+
+    def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
+        mean_context = cached_tokens + new_tokens / 2
+        return new_tokens / self.prefill_tokens_per_s * (1 + mean_context / self.prefill_context_tokens)
+
+    def step_s(self, batch: int) -> float:
+        """Time of one decode step with `batch` running sequences (= TPOT of each)."""
+        return max(1 / self.decode_tokens_per_s, batch / self.decode_batch_tokens_per_s)
+
+
+# Measured on this 2-core CPU (BENCHMARKS.md, Ember fp32, 2 threads): the profile `default`.
+CPU_PROFILE = HardwareProfile(prefill_tokens_per_s=560, prefill_context_tokens=3000, decode_tokens_per_s=13.9,
+                              decode_batch_tokens_per_s=191, max_batch=32)
+
+
+class Site(Section):
+    name: str
+    region: str = Field("", description="default: the site name")
+    tier: Literal["central", "edge"] = Field("edge", description="central GPU region or edge site")
+    roles: list[Literal["prefill", "decode", "kvstore"]] | None = Field(
+        None, description="default: the roles that have an address")
+    hardware: str = Field("default", description="a profile under `hardware:`")
+    capacity: int | None = Field(None, gt=0, description="concurrent decode sequences; default: the profile's "
+                                                         "max_batch")
+    kvstore: str | None = Field(None, description="HOST:PORT of the site's kvstore (gRPC)")
+    kvstore_data: str | None = Field(None, description="HOST:PORT of its TCP data plane for bulk block moves")
+    prefill: str | None = Field(None, description="HOST:PORT of the site's prefill service")
+    decode: str | None = Field(None, description="HOST:PORT of the site's decode service")
+
+    _check = field_validator("kvstore", "kvstore_data", "prefill", "decode")(
+        lambda cls, v: v if v is None else _address(v))
+
+    @model_validator(mode="after")
+    def _roles_have_addresses(self):
+        if not self.region:
+            self.region = self.name
+        if self.roles is None:
+            self.roles = [r for r in ROLES if getattr(self, r)]
+        for role in self.roles:
+            if getattr(self, role) is None:
+                raise ValueError(f"site {self.name!r} has role {role!r} but no {role!r} address: add "
+                                 f"`{role}: HOST:PORT` or drop the role")
+        if ("prefill" in self.roles or "decode" in self.roles) and "kvstore" not in self.roles:
+            raise ValueError(f"site {self.name!r} runs prefill/decode without a kvstore: add `kvstore: HOST:PORT` "
+                             "(KV blocks move through each site's kvstore)")
+        return self
+
+    def has(self, role: str) -> bool:
+        return role in self.roles
+
+
+class Link(Section):
+    a: str
+    b: str
+    rtt_ms: float = Field(ge=0)
+    bandwidth_gbps: float = Field(gt=0, description="gigabits per second")
+
+
+class Reach(Section):
+    site: str
+    rtt_ms: float = Field(ge=0)
+
+
+class UserRegion(Section):
+    name: str
+    reach: list[Reach] = Field(min_length=1)
+
+
+class RouterSection(Section):
+    listen: str = Field("127.0.0.1:50051", description="HOST:PORT of the public gRPC API")
+    http: str | None = Field(None, description="HOST:PORT of the OpenAI-compatible HTTP API; unset: off")
+    site: str | None = Field(None, description="where the router runs (for emulated links); default: "
+                                               "placement.decode_site, else the first site")
+
+    _check = field_validator("listen", "http")(lambda cls, v: v if v is None else _address(v))
+
+
+class PlacementSection(Section):
+    policy: Literal["ember", "central", "edge", "fixed"] = Field(
+        "ember", description="ember: link-priced; central/edge: baselines; fixed: prefill_site/decode_site "
+                             "(always, when no regions are configured)")
+    prefill_site: str | None = Field(None, description="fixed placement, or the fallback for requests with no "
+                                                       "region")
+    decode_site: str | None = None
+    session_affinity: bool = Field(True, description="keep a conversation's decode where its KV is")
+    codec_saving: float = Field(0.0, ge=0, lt=1, description="fraction of KV bytes the link codec saves")
+    layer_overlap: float = Field(0.0, ge=0, lt=1, description="fraction of a KV transfer hidden by layer-wise "
+                                                              "streaming")
+    decode_heavy_ratio: float = Field(1.0, gt=0, description="expected output/input above this: a decode-heavy "
+                                                             "request")
+    pool_slack_ms: float = Field(10.0, ge=0, description="RTT a request gives up to land on a pool of its shape")
+    default_output_tokens: int = Field(256, gt=0, description="expected output when a request does not say")
+    kv_bytes_per_token: int | None = Field(None, gt=0, description="KV bytes per token the link cost is priced "
+                                                                   "at; unset: derived from the model and dtype")
+    emulate_links: bool = Field(False, description="`ember up` relays every inter-site hop through an emulated "
+                                                   "link (RTT, bandwidth)")
+
+
+class RoleEngineSettings(Section):
+    """Per-role overrides of engine settings; unset: the `engine:` value."""
+    kv_cache_mb: int | None = Field(None, gt=0)
+    kv_cache_memory_fraction: float | None = Field(None, gt=0, le=0.9)
+    max_num_seqs: int | None = Field(None, gt=0)
+    max_num_batched_tokens: int | None = Field(None, gt=0)
+    threads: int | None = Field(None, ge=0)
+
+
+assert set(RoleEngineSettings.model_fields) == set(ROLE_SETTINGS) <= set(EngineSettings.model_fields)
+
+
+class EngineSection(EngineSettings):
+    prefill: RoleEngineSettings = RoleEngineSettings()
+    decode: RoleEngineSettings = RoleEngineSettings()
+
+    def for_role(self, role: str) -> EngineSettings:
+        """The settings an engine of `role` runs: the section's, with the role's overrides."""
+        if role not in ENGINE_ROLES:
+            raise ValueError(f"role must be one of {ENGINE_ROLES}, got {role!r}")
+        values = {name: getattr(self, name) for name in EngineSettings.model_fields}
+        override = getattr(self, role)
+        values.update({name: getattr(override, name) for name in ROLE_SETTINGS if getattr(override, name) is not None})
+        return EngineSettings(**values)
+
+
+class KVStoreSection(Section):
+    capacity_mb: int = Field(1024, gt=0, description="block bytes each site's kvstore holds (LRU beyond)")
+    codec: Literal["auto", "raw", "planes"] = Field("auto", description="asked of peers on pulls; auto compresses "
+                                                                        "only on links slow enough for it to pay")
+    shared_memory: bool = Field(True, description="same-host readers (decode) map the store's block arena; off: "
+                                                  "they stream over gRPC")
+    shm_socket: str | None = Field(None, description="Unix socket handing out the arena: a path (containers "
+                                                     "sharing a volume) or @NAME; unset: an abstract socket "
+                                                     "named after the store")
+
+
+class DirectorySection(Section):
+    url: str | None = Field(None, description="redis://HOST:PORT/DB shared by all sites; unset: the in-memory "
+                                              "directory the router hosts")
+    ttl_s: float = Field(60.0, gt=0, description="entries expire unless the kvstore refreshes them")
+
+    @field_validator("url")
+    @classmethod
+    def _redis_url(cls, v):
+        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"{v!r} is not a Redis URL (e.g. redis://127.0.0.1:6379/0); omit it for the "
+                             "in-memory directory")
+        return v
+
+
+class ClusterConfig(Section):
+    model: str = Field(DEFAULT_MODEL, description="a named model (fetched into the user cache on first use) or "
+                                                  "a GGUF file / HF folder, relative to this file")
+    router: RouterSection = RouterSection()
+    placement: PlacementSection = PlacementSection()
+    sites: list[Site] = Field(min_length=1)
+    links: list[Link] = []
+    regions: list[UserRegion] = []
+    hardware: dict[str, HardwareProfile] = {}
+    engine: EngineSection = EngineSection()
+    kvstore: KVStoreSection = KVStoreSection()
+    directory: DirectorySection = DirectorySection()
+
+    _by_name: dict[str, Site] = PrivateAttr(default_factory=dict)
+    _links: dict[tuple[str, str], Link] = PrivateAttr(default_factory=dict)
+    _base: Path = PrivateAttr(default_factory=Path.cwd)  # relative paths resolve against it (the file's folder)
+
+    @model_validator(mode="after")
+    def _topology(self):
+        names = [s.name for s in self.sites]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"sites: names must be unique, {dupes} appear more than once")
+        known = f"known sites: {', '.join(names)}"
+        self.hardware = {"default": CPU_PROFILE, **self.hardware}
+        self._by_name = {s.name: s for s in self.sites}
+        for i, site in enumerate(self.sites):
+            if site.hardware not in self.hardware:
+                raise ValueError(f"sites[{i}].hardware: {site.hardware!r} is not a profile; define it under "
+                                 f"`hardware:` or use one of {sorted(self.hardware)}")
+        for i, link in enumerate(self.links):
+            for end in ("a", "b"):
+                if getattr(link, end) not in self._by_name:
+                    raise ValueError(f"links[{i}].{end}: unknown site {getattr(link, end)!r}; {known}")
+            if link.a == link.b:
+                raise ValueError(f"links[{i}]: a link joins two different sites, got {link.a!r} twice")
+        for i, region in enumerate(self.regions):
+            for j, reach in enumerate(region.reach):
+                if reach.site not in self._by_name:
+                    raise ValueError(f"regions[{i}].reach[{j}].site: unknown site {reach.site!r}; {known}")
+            if not any(self._by_name[r.site].has("decode") for r in region.reach):
+                raise ValueError(f"regions[{i}] ({region.name!r}) reaches no site with the decode role: add a "
+                                 "decode site to its `reach` list")
+        p = self.placement
+        for field, role in (("prefill_site", "prefill"), ("decode_site", "decode")):
+            value = getattr(p, field)
+            if value is not None and (value not in self._by_name or not self._by_name[value].has(role)):
+                raise ValueError(f"placement.{field}: {value!r} must name a site with the {role} role; {known}")
+        if not self.regions:  # nothing to choose between: placement is fixed
+            fixed = {"policy": "fixed"}
+            for field, role in (("prefill_site", "prefill"), ("decode_site", "decode")):
+                having = [s.name for s in self.sites if s.has(role)]
+                if getattr(p, field) is None and len(having) > 1:
+                    raise ValueError(f"placement.{field}: required when no `regions` are configured and several "
+                                     f"sites have the {role} role ({', '.join(having)}): name one")
+                if getattr(p, field) is None and having:
+                    fixed[field] = having[0]
+            self.placement = p = p.model_copy(update=fixed)
+        if self.router.site is None:
+            self.router = self.router.model_copy(update={"site": p.decode_site or names[0]})
+        elif self.router.site not in self._by_name:
+            raise ValueError(f"router.site: unknown site {self.router.site!r}; {known}")
+        self._links = {}
+        for link in self.links:
+            self._links[(link.a, link.b)] = self._links[(link.b, link.a)] = link
+        return self
+
+    # -- lookups ---------------------------------------------------------------------------
+    def site(self, name: str) -> Site:
+        if name not in self._by_name:
+            raise ValueError(f"unknown site {name!r}; known sites: {', '.join(self._by_name)}")
+        return self._by_name[name]
+
+    def profile(self, site: str) -> HardwareProfile:
+        return self.hardware[self._by_name[site].hardware]
+
+    def link(self, a: str, b: str) -> Link | None:
+        """The link between two sites; None when a == b or none is configured."""
+        return self._links.get((a, b))
+
+    def region(self, name: str) -> UserRegion | None:
+        return next((r for r in self.regions if r.name == name), None)
+
+    def decode_capacity(self, site: str) -> int:
+        s = self._by_name[site]
+        return s.capacity or self.profile(site).max_batch
+
+    def model_path(self) -> Path:
+        """The model's file or folder: a named model's cache path, else relative to the config file."""
+        return resolve_model(self.model, self._base)
+
+    def directory_url(self) -> str:
+        """What kvstores publish to: Redis, or the router's in-memory directory."""
+        return self.directory.url or f"grpc://{self.router.listen}"
+
+    def engine_sites(self, role: str) -> list[Site]:
+        """Sites that run an engine of `role`: every site with the role when placement can choose,
+        else only the fixed one."""
+        fixed = getattr(self.placement, f"{role}_site")
+        return [s for s in self.sites if s.has(role) and (self.regions or s.name == fixed)]

@@ -1,0 +1,97 @@
+"""The services a cluster config defines, and the effective settings of each: what the process
+started as `ember serve ROLE --config FILE [--site SITE]` runs with. `ember up`, Compose and
+Kubernetes start the same list, each service from its own section of the same file."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from ember.config.schema import ENGINE_ROLES, ClusterConfig
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    name: str            # router, prefill-<site>, decode-<site>, kvstore-<site>
+    role: str            # router, prefill, decode, kvstore
+    site: str | None     # None for the router
+    address: str         # where it serves gRPC
+
+
+def services(config: ClusterConfig) -> list[ServiceSpec]:
+    """Every process of the cluster, kvstores first (the engines pull from them), router last."""
+    out = []
+    for site in config.sites:
+        if site.has("kvstore"):
+            out.append(ServiceSpec(f"kvstore-{site.name}", "kvstore", site.name, site.kvstore))
+    for role in ENGINE_ROLES:
+        for site in config.engine_sites(role):
+            out.append(ServiceSpec(f"{role}-{site.name}", role, site.name, getattr(site, role)))
+    out.append(ServiceSpec("router", "router", None, config.router.listen))
+    return out
+
+
+@dataclass(frozen=True)
+class KVStoreSettings:
+    site: str
+    listen: str
+    data_listen: str | None
+    capacity_mb: int
+    codec: str
+    shm_socket: str | None   # None: an abstract socket named after the store; "" : shared memory off
+    directory: str           # redis://... or grpc://ROUTER
+    directory_ttl_s: float
+
+
+@dataclass(frozen=True)
+class EngineServiceSettings:
+    role: str
+    site: str
+    listen: str
+    kvstore: str
+    shared_memory: bool
+    engine: dict             # EngineConfig fields ("auto" resolved against the model)
+
+
+@dataclass(frozen=True)
+class RouterSettings:
+    listen: str
+    http: str | None
+    site: str
+    model: str
+    directory: str | None    # Redis URL; None: the router hosts the in-memory directory
+    directory_ttl_s: float
+
+
+def kvstore_settings(config: ClusterConfig, site_name: str) -> KVStoreSettings:
+    site = config.site(site_name)
+    if not site.has("kvstore"):
+        raise ValueError(f"site {site_name!r} has no kvstore")
+    k = config.kvstore
+    return KVStoreSettings(site.name, site.kvstore, site.kvstore_data, k.capacity_mb, k.codec,
+                           k.shm_socket if k.shared_memory else "", config.directory_url(), config.directory.ttl_s)
+
+
+def engine_settings(config: ClusterConfig, role: str, site_name: str):
+    """(EngineServiceSettings, EngineConfig) of the `role` engine at `site_name`."""
+    from ember.engine.config import EngineConfig
+    site = config.site(site_name)
+    if not site.has(role):
+        raise ValueError(f"site {site_name!r} has no {role} role")
+    engine = EngineConfig(model=str(config.model_path()), **config.engine.for_role(role).model_dump())
+    settings = EngineServiceSettings(role, site.name, getattr(site, role), site.kvstore,
+                                     config.kvstore.shared_memory, engine.model_dump())
+    return settings, engine
+
+
+def router_settings(config: ClusterConfig) -> RouterSettings:
+    r = config.router
+    return RouterSettings(r.listen, r.http, r.site, str(config.model_path()), config.directory.url,
+                          config.directory.ttl_s)
+
+
+def service_settings(config: ClusterConfig, role: str, site: str | None = None) -> dict:
+    """The effective settings of one service, as a plain dict (what deploy tests compare)."""
+    if role == "router":
+        return asdict(router_settings(config))
+    if role == "kvstore":
+        return asdict(kvstore_settings(config, site))
+    return asdict(engine_settings(config, role, site)[0])
