@@ -1,14 +1,17 @@
-# One image for every Ember service (router, prefill, decode, kvstore) and the CLI.
-# The model is not baked in: the `model` service of docker-compose.yml fetches it onto a volume.
+# One image for every Ember service (router, prefill, decode, kvstore) and the CLI, with the
+# default model baked in (fetched and converted at build time into $EMBER_CACHE_DIR), so no
+# container fetches it at start. Each service: ember serve ROLE --config FILE [--site SITE].
 FROM python:3.11-slim
-ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 OMP_WAIT_POLICY=PASSIVE
-WORKDIR /app
-COPY pyproject.toml README.md Makefile ./
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 OMP_WAIT_POLICY=PASSIVE EMBER_CACHE_DIR=/var/cache/ember
+WORKDIR /src
+COPY pyproject.toml setup.py README.md ./
 COPY proto ./proto
 COPY ember ./ember
 COPY services ./services
 COPY configs ./configs
 RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu . \
- && python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/ember/v1/*.proto
+ && rm -rf /src \
+ && ember fetch-model
+WORKDIR /
 EXPOSE 50051 8000 9100
 CMD ["ember", "--help"]

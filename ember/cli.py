@@ -7,28 +7,30 @@ from pathlib import Path
 
 import ember  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 
-DEFAULT_CLUSTER_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
+ENGINE_FLAGS = ("dtype", "weights", "threads", "kv_cache_mb", "kv_cache_memory_fraction", "max_num_seqs",
+                "max_num_batched_tokens", "max_model_len", "block_size")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Engine flags, made from ember.engine.config.EngineSettings: the YAML's names and defaults."""
+    import typing
+
+    from ember.engine.config import EngineSettings
     from ember.model.fetch import DEFAULT_MODEL_PATH
     p.add_argument("--model", default=str(DEFAULT_MODEL_PATH), help="GGUF file or HF model folder")
-    p.add_argument("--weights", default=None, choices=["auto", "dense", "q4"],
-                   help="auto (default): a Q4_1 GGUF serves its own codes on int4 kernels (q4, bf16 activations and "
-                        "KV, as llama.cpp serves the file); dense dequantizes (with --dtype float32: the exact path)")
-    p.add_argument("--dtype", default=None, choices=["auto", "float32", "bfloat16"],
-                   help="serving dtype (default auto: bfloat16 for q4, float32 for a dense GGUF, an HF "
-                        "checkpoint's own dtype)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = one per core)")
-    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV pool size in MiB")
+    for name in ENGINE_FLAGS:
+        field = EngineSettings.model_fields[name]
+        choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
+        kind = {"int": int, "float": float}.get(str(field.annotation).split(" ")[0].removeprefix("<class '")
+                                                .removesuffix("'>"), None)
+        if kind is None and not choices:
+            kind = float if "float" in str(field.annotation) else int
+        p.add_argument("--" + name.replace("_", "-"), default=field.default, choices=choices, type=kind,
+                       help=f"{field.description} (default: {field.default})")
 
 
-def engine_dtype(args) -> str:
-    return args.dtype or "auto"
-
-
-def engine_weights(args) -> str:
-    return args.weights or "auto"
+def engine_settings(args) -> dict:
+    return {name: getattr(args, name) for name in ENGINE_FLAGS}
 
 
 def cmd_generate(args) -> int:
@@ -46,8 +48,7 @@ def cmd_generate(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        engine = LLMEngine(EngineConfig(model=args.model, dtype=engine_dtype(args), weights=engine_weights(args),
-                                        num_threads=args.threads, kv_cache_bytes=args.kv_cache_mb * 2**20))
+        engine = LLMEngine(EngineConfig(model=args.model, **engine_settings(args)))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -97,9 +98,18 @@ def _generate_remote(args) -> int:
 
 
 def cmd_up(args) -> int:
-    from ember.cluster.launcher import up
-    config = up(args.config, args.run_dir)
-    print(f"ember cluster up; router at {config.router} (logs in {args.run_dir})")
+    from ember.cluster.launcher import default_run_dir, up
+    run_dir = Path(args.run_dir or default_run_dir()).resolve()
+    try:
+        config = up(args.config, run_dir)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print("ember cluster up")
+    print(f"  gRPC (ember.v1.Router):  {config.router.listen}")
+    print("  OpenAI HTTP API:         " + (f"http://{config.router.http}/v1" if config.router.http else
+                                            "off (set router.http in the config)"))
+    print(f"  run directory:           {run_dir}  (logs, traces; `ember down` stops it)")
     return 0
 
 
@@ -110,18 +120,30 @@ def cmd_down(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """Run one service in this process, as `python -m ember.services.ROLE` would."""
+    import runpy
+    sys.argv = [f"ember serve {args.role}", *args.rest]
+    runpy.run_module(f"ember.services.{args.role}", run_name="__main__", alter_sys=True)
+    return 0
+
+
 def cmd_fetch_model(args) -> int:
-    from ember.model.fetch import fetch_default_model
+    from ember.model.fetch import DEFAULT_MODEL, MODELS, fetch_model
     from ember.model.loader import ensure_gguf_cache
-    path = fetch_default_model(Path(args.dest)) if args.dest else fetch_default_model()
+    if args.name not in MODELS:
+        print(f"error: unknown model {args.name!r}; named models: {', '.join(MODELS)}", file=sys.stderr)
+        return 2
+    path = fetch_model(args.name or DEFAULT_MODEL, Path(args.dest) if args.dest else None)
     ensure_gguf_cache(path)
     print(path)
     return 0
 
 
 def cmd_status(args) -> int:
+    from ember.cluster.launcher import default_run_dir
     from ember.cluster.status import render
-    run_dir = Path(args.run_dir)
+    run_dir = Path(args.run_dir or default_run_dir())
     if not (run_dir / "services.json").exists():
         print(f"no cluster in {run_dir} (start one with `ember up`)", file=sys.stderr)
         return 1
@@ -157,19 +179,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 
+    run_dir_help = "logs, pids and traces (default: $EMBER_STATE_DIR/runs/local or ~/.local/state/ember/runs/local)"
     u = sub.add_parser("up", help="start the local cluster (router, prefill, decode, kvstores)")
-    u.add_argument("--config", default=str(DEFAULT_CLUSTER_CONFIG))
-    u.add_argument("--run-dir", default="runs/local")
+    u.add_argument("--config", help="cluster YAML (default: the shipped local cluster, configs/local.yaml)")
+    u.add_argument("--run-dir", help=run_dir_help)
     u.set_defaults(func=cmd_up)
     st = sub.add_parser("status", help="health, load and KV usage of each service of the local cluster")
-    st.add_argument("--run-dir", default="runs/local")
+    st.add_argument("--run-dir", help=run_dir_help)
     st.set_defaults(func=cmd_status)
     d = sub.add_parser("down", help="stop the local cluster")
-    d.add_argument("--run-dir", default="runs/local")
+    d.add_argument("--run-dir", help=run_dir_help)
     d.set_defaults(func=cmd_down)
+    sv = sub.add_parser("serve", help="run one service of a cluster config: ember serve ROLE --config FILE "
+                                      "[--site SITE]", add_help=False)
+    sv.add_argument("role", choices=["router", "prefill", "decode", "kvstore"])
+    sv.add_argument("rest", nargs=argparse.REMAINDER, help="the service's flags (ember serve ROLE --help)")
+    sv.set_defaults(func=cmd_serve)
 
-    f = sub.add_parser("fetch-model", help="download, verify and convert the default model")
-    f.add_argument("--dest", help="GGUF path to write (default: models/ in the repository)")
+    f = sub.add_parser("fetch-model", help="download, verify and convert a named model (into the user cache)")
+    f.add_argument("name", nargs="?", default="SmolLM2-135M-Instruct.Q4_1", help="named model (default: %(default)s)")
+    f.add_argument("--dest", help="GGUF path to write (default: the user cache, $EMBER_CACHE_DIR/models or "
+                                  "~/.cache/ember/models)")
     f.set_defaults(func=cmd_fetch_model)
 
     b = sub.add_parser("bench", help="benchmarks that write JSON")

@@ -1,35 +1,52 @@
-"""Start-up shared by the engine-backed services (prefill, decode)."""
+"""Start-up shared by the services: one command line for all four roles, and the engine-backed
+services' serving loop (prefill, decode)."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from ember.cluster.config import ClusterConfig, Site, engine_config, load_config
+from ember.config.load import load_config
+from ember.config.schema import ClusterConfig
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+ROLES = ("router", "prefill", "decode", "kvstore")
 
 
-def engine_args(prog: str) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog=prog)
+def service_parser(role: str) -> argparse.ArgumentParser:
+    """`ember serve ROLE` / `python -m ember.services.ROLE`: everything a service runs with comes
+    from its section of the cluster YAML; the flags say only which service it is and where the
+    process's own side channels go."""
+    p = argparse.ArgumentParser(prog=f"ember serve {role}",
+                                description=f"the {role} service of the cluster in --config")
     p.add_argument("--config", required=True, help="cluster YAML")
-    p.add_argument("--site", required=True)
+    if role != "router":
+        p.add_argument("--site", required=True, help="which site's " + role + " this process is")
     p.add_argument("--metrics-listen", help="HOST:PORT serving Prometheus /metrics")
-    return p.parse_args()
+    p.add_argument("--route", action="append", default=[], metavar="ADDRESS=RELAY",
+                   help="reach ADDRESS through RELAY (an emulated link; `ember up` sets these); repeatable")
+    return p
+
+
+def service_args(role: str, argv: list[str] | None = None) -> argparse.Namespace:
+    p = service_parser(role)
+    args = p.parse_args(argv)
+    try:
+        args.cluster = load_config(args.config)
+        if role != "router":
+            site = args.cluster.site(args.site)
+            if not site.has(role):
+                raise ValueError(f"site {args.site!r} has no {role} role in {args.config}")
+    except (ValueError, OSError) as e:
+        p.error(str(e))
+    return args
 
 
 def tokenizer(config: ClusterConfig):
     """The model's tokenizer, read without loading the model (torch-free)."""
     from ember.model.files import model_folder
     from ember.model.tokenizer import Tokenizer
-    return Tokenizer.from_folder(model_folder(config.model_path(REPO_ROOT)))
+    return Tokenizer.from_folder(model_folder(config.model_path()))
 
 
-def load(args) -> ClusterConfig:
-    return load_config(args.config)
-
-
-async def serve_engine_service(address: str, service_name: str, service, add_to_server, config: ClusterConfig,
-                               site: Site, metrics_listen: str | None = None) -> None:
+async def serve_engine_service(role: str, service_name: str, service, add_to_server, args) -> None:
     """Serve an engine-backed servicer. Its engine core runs in a process of its own; health
     says NOT_SERVING while the model loads there, SERVING once `service.engine` is warm, and
     NOT_SERVING again if the core dies (its streams end with UNAVAILABLE)."""
@@ -37,20 +54,22 @@ async def serve_engine_service(address: str, service_name: str, service, add_to_
 
     from grpc_health.v1 import health_pb2
 
+    from ember.config.services import engine_settings
     from ember.rpc import metrics
     from ember.rpc.server import Server
     from ember.serving.engine_client import SubprocessEngineClient
-    server = Server(address, [service_name])
+    settings, engine = engine_settings(args.cluster, role, args.site)
+    server = Server(settings.listen, [service_name])
     add_to_server(service, server.server)
-    metrics.serve(metrics_listen)
+    metrics.serve(args.metrics_listen)
 
     async def warmup():
         loop = asyncio.get_running_loop()
 
         def died():
             loop.create_task(server.set_status(health_pb2.HealthCheckResponse.NOT_SERVING))
-        service.engine = await SubprocessEngineClient.start(engine_config(config, REPO_ROOT), kvstore=site.kvstore,
-                                                            use_shm=config.kvstore_shared_memory, on_death=died)
+        service.engine = await SubprocessEngineClient.start(engine, kvstore=settings.kvstore,
+                                                            use_shm=settings.shared_memory, on_death=died)
         metrics.watch_engine(service.engine)
 
     async def stop():

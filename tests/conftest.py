@@ -46,7 +46,7 @@ def loaded(model_path):
 def engine(loaded):
     from ember.engine.config import EngineConfig
     from ember.engine.engine import LLMEngine
-    return LLMEngine(EngineConfig(dtype="float32", weights="dense", kv_cache_bytes=256 * 2**20, num_threads=2),
+    return LLMEngine(EngineConfig(dtype="float32", weights="dense", kv_cache_mb=256, threads=2),
                      loaded=loaded)
 
 
@@ -57,10 +57,10 @@ def make_engine(loaded):
     from ember.engine.engine import LLMEngine
 
     def make(**overrides) -> LLMEngine:
-        overrides.setdefault("num_threads", 2)
+        overrides.setdefault("threads", 2)
         overrides.setdefault("dtype", "float32")  # the exact path, like `loaded`
         overrides.setdefault("weights", "dense")
-        overrides.setdefault("kv_cache_bytes", 512 * 2**20)
+        overrides.setdefault("kv_cache_mb", 512)
         return LLMEngine(EngineConfig(**overrides), loaded=loaded)
     return make
 

@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from ember.client import RouterClient
-from ember.cluster.launcher import REPO_ROOT, running
+from ember.cluster.launcher import default_config, running
 from ember.cluster.ports import on_free_ports
 from ember.engine.sampling_params import SamplingParams
 from tests.conftest import LONG_TEXT, PROMPTS
@@ -19,8 +19,8 @@ NEW_TOKENS = 16
 def test_the_default_cluster_serves_the_default_engines_tokens_however_requests_arrive(tmp_path, model_path):
     from ember.engine.config import EngineConfig
     from ember.engine.engine import LLMEngine
-    config = on_free_ports(REPO_ROOT / "configs" / "local.yaml", tmp_path / "cluster.yaml", str(model_path))
-    engine = LLMEngine(EngineConfig(model=str(model_path), num_threads=1, kv_cache_bytes=128 * 2**20))
+    config = on_free_ports(default_config(), tmp_path / "cluster.yaml", str(model_path))
+    engine = LLMEngine(EngineConfig(model=str(model_path), threads=1, kv_cache_mb=128))
     assert (engine.config.weights, engine.config.dtype) == ("q4", "bfloat16")  # what the cluster serves too
     chats = [[{"role": "user", "content": p}] for p in PROMPTS[:3]]
     chats.append([{"role": "user", "content": LONG_TEXT[:1500] + "\n\nWhat did the keeper write down?"}])
@@ -35,7 +35,8 @@ def test_the_default_cluster_serves_the_default_engines_tokens_however_requests_
         return client.complete(token_ids=prompts[i], max_tokens=NEW_TOKENS, ignore_eos=True,
                                temperature=sp.temperature, seed=sp.seed, timeout=300)
 
-    with running(tmp_path / "cluster.yaml", tmp_path, timeout_s=300), RouterClient(config["router"]) as client:
+    router = config["router"]["listen"]
+    with running(tmp_path / "cluster.yaml", tmp_path, timeout_s=300), RouterClient(router) as client:
         with ThreadPoolExecutor(len(prompts)) as pool:  # all at once: batched prefill and decode
             together = list(pool.map(lambda i: ask(client, i), range(len(prompts))))
         again = [ask(client, i) for i in range(len(prompts))]  # one at a time, prefixes cached now

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from ember.cluster.launcher import REPO_ROOT
-from ember.engine.config import EngineConfig
+from ember.cluster.launcher import default_config
+from ember.config.load import load_config
+from ember.engine.config import EngineConfig, EngineSettings
 from ember.model.files import resolve_serving
-from ember.placement.config import EngineSettings, load_config
 
 
 def test_a_q4_1_gguf_serves_its_codes_by_default_and_dense_means_the_exact_path(model_path):
@@ -36,12 +36,12 @@ def test_the_kv_pool_follows_available_memory_unless_sized():
     config = EngineConfig(kv_cache_memory_fraction=0.05)
     available = psutil.virtual_memory().available
     assert 0.8 * 0.05 * available < config.pool_bytes() < 1.2 * 0.05 * available
-    assert EngineConfig(kv_cache_bytes=2**20).pool_bytes() == 2**20
+    assert EngineConfig(kv_cache_mb=1).pool_bytes() == 2**20
     with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
         EngineConfig(kv_cache_memory_fraction=0.0)
 
 
 def test_the_shipped_local_config_is_the_default_serving_path():
-    engine = load_config(REPO_ROOT / "configs" / "local.yaml").engine
+    engine = load_config(default_config()).engine
     assert (engine.weights, engine.dtype, engine.kv_cache_mb) == ("auto", "auto", None)
     assert engine.kv_cache_memory_fraction == EngineSettings().kv_cache_memory_fraction

@@ -29,7 +29,7 @@ def q4_engine(q4_loaded):
     from ember.engine.engine import LLMEngine
 
     def make(**overrides):
-        config = dict(dtype="bfloat16", weights="q4", num_threads=2, kv_cache_bytes=256 * 2**20) | overrides
+        config = dict(dtype="bfloat16", weights="q4", threads=2, kv_cache_mb=256) | overrides
         return LLMEngine(EngineConfig(**config), loaded=q4_loaded)
     return make
 

@@ -24,7 +24,8 @@ def edge_config(path) -> dict:
          "kvstore_data": addr()},
     ]
     config = {
-        "model": str(DEFAULT_MODEL_PATH), "router": addr(), "router_site": "west", "emulate_links": True,
+        "model": str(DEFAULT_MODEL_PATH), "router": {"listen": addr(), "site": "west"},
+        "placement": {"emulate_links": True},
         "sites": sites,
         "links": [{"a": "central", "b": "west", "rtt_ms": 60, "bandwidth_gbps": 1.0},
                   {"a": "central", "b": "east", "rtt_ms": 60, "bandwidth_gbps": 1.0},
@@ -37,7 +38,7 @@ def edge_config(path) -> dict:
                      "slow": {"prefill_tokens_per_s": 1000, "prefill_context_tokens": 3000, "decode_tokens_per_s": 14,
                               "decode_batch_tokens_per_s": 190, "max_batch": 16}},
         "engine": {"kv_cache_mb": 96, "threads": 1, "dtype": "float32", "weights": "dense"},  # the exact path
-        "kvstore_capacity_mb": 128,
+        "kvstore": {"capacity_mb": 128},
     }
     path.write_text(yaml.safe_dump(config))
     return config
@@ -55,7 +56,7 @@ def test_long_first_turn_prefills_centrally_short_follow_up_at_the_edge(edge_clu
     config, run_dir = edge_cluster
     turn1 = engine.tokenizer.encode(LONG_TEXT[:4300] + "\nQ: How many boats were counted in year 1707?")
     assert 950 <= len(turn1) <= 1100
-    with RouterClient(config["router"]) as client:
+    with RouterClient(config["router"]["listen"]) as client:
         first = client.complete(token_ids=turn1, max_tokens=8, ignore_eos=True, user_region="users-west",
                                 session_id="s1", timeout=180)
         p = first.final.placement

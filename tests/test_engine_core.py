@@ -15,7 +15,7 @@ import grpc
 import psutil
 import pytest
 
-from ember.cluster.ports import free_port
+from ember.cluster.ports import write_kvstore_config
 from ember.engine.config import EngineConfig
 from ember.engine.sampling_params import SamplingParams
 from ember.kv.block_hash import chain_hashes
@@ -40,7 +40,7 @@ async def collect(client, ids, params=GREEDY, request_id="r", **kw) -> list[int]
 
 
 def test_in_process_and_subprocess_clients_give_identical_tokens(make_engine, model_path):
-    engine = make_engine(kv_cache_bytes=64 * 2**20)
+    engine = make_engine(kv_cache_mb=64)
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS[:4]]
 
     async def go():
@@ -49,8 +49,8 @@ def test_in_process_and_subprocess_clients_give_identical_tokens(make_engine, mo
             expected = await asyncio.gather(*(collect(local, ids, request_id=f"l{i}") for i, ids in enumerate(prompts)))
         finally:
             local.close()
-        remote = await SubprocessEngineClient.start(EngineConfig(model=str(model_path), num_threads=1,
-                                                                 kv_cache_bytes=64 * 2**20))
+        remote = await SubprocessEngineClient.start(EngineConfig(model=str(model_path), threads=1,
+                                                                 kv_cache_mb=64))
         try:
             assert remote.info.pid != os.getpid() and remote.info.block_size == 16
             got = await asyncio.gather(*(collect(remote, ids, request_id=f"s{i}") for i, ids in enumerate(prompts)))
@@ -66,8 +66,8 @@ def test_subprocess_core_errors_keep_their_status(model_path):
     from ember.engine.errors import InvalidRequestError
 
     async def go():
-        remote = await SubprocessEngineClient.start(EngineConfig(model=str(model_path), num_threads=1,
-                                                                 kv_cache_bytes=16 * 2**20))
+        remote = await SubprocessEngineClient.start(EngineConfig(model=str(model_path), threads=1,
+                                                                 kv_cache_mb=16))
         try:
             with pytest.raises(InvalidRequestError, match="token ids must be in"):
                 await collect(remote, [10**7])
@@ -80,8 +80,8 @@ def test_subprocess_core_errors_keep_their_status(model_path):
 def test_killing_the_engine_core_fails_streams_within_two_seconds(model_path):
     async def go():
         died = asyncio.Event()
-        remote = await SubprocessEngineClient.start(EngineConfig(model=str(model_path), num_threads=1,
-                                                                 kv_cache_bytes=128 * 2**20), on_death=died.set)
+        remote = await SubprocessEngineClient.start(EngineConfig(model=str(model_path), threads=1,
+                                                                 kv_cache_mb=128), on_death=died.set)
         stream = remote.generate([1, 2, 3, 4], SamplingParams(max_tokens=2000, ignore_eos=True), "long")
         await stream.__anext__()  # decoding
         os.kill(remote.info.pid, signal.SIGKILL)
@@ -152,7 +152,7 @@ def drive(core: EngineCore, requests: list[AddRequest], max_turns: int = 5000) -
 
 
 def test_imported_blocks_are_held_until_admission_and_no_hold_deadlocks(make_engine):
-    source = make_engine(kv_cache_bytes=64 * 2**20)
+    source = make_engine(kv_cache_mb=64)
     texts = [LONG_TEXT[i * 300:i * 300 + 1500] for i in range(2)]
     prompts = [source.tokenizer.encode(t) for t in texts]
     frames = {}
@@ -200,9 +200,9 @@ def test_l1_hits_are_pinned_against_eviction_until_admission(make_engine):
 
 @pytest.fixture()
 def kvstore_process(tmp_path):
-    address = f"127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "ember.services.kvstore", "--listen", address, "--capacity-mb", "256"],
-                            stdout=open(tmp_path / "kv.log", "w"), stderr=subprocess.STDOUT)
+    address = write_kvstore_config(tmp_path / "kv.yaml", capacity_mb=256)["kvstore"]
+    proc = subprocess.Popen([sys.executable, "-m", "ember.services.kvstore", "--config", str(tmp_path / "kv.yaml"),
+                             "--site", "solo"], stdout=open(tmp_path / "kv.log", "w"), stderr=subprocess.STDOUT)
     from ember.cluster.launcher import wait_serving
     try:
         wait_serving(address, time.monotonic() + 60, proc, tmp_path / "kv.log")
@@ -216,7 +216,7 @@ def test_a_follow_up_turn_reads_its_history_through_from_the_site_kvstore(make_e
     """Pool far too small for 4 sessions: each follow-up turn computes only its new tokens."""
     from ember.rpc.kv_connector import KVConnector
     small = make_engine(num_kv_blocks=50)  # one session at a time
-    big = make_engine(kv_cache_bytes=128 * 2**20)
+    big = make_engine(kv_cache_mb=128)
     sessions = [small.tokenizer.encode(f"Session {i}. " + LONG_TEXT[i * 500:i * 500 + 2600]) for i in range(4)]
     follow_up = small.tokenizer.encode(" And what came next for the harbour town?")
     plan = KVPlan(read_through=True, write_back="async")
@@ -255,8 +255,8 @@ def test_a_killed_engine_core_makes_its_service_not_serving_and_streams_unavaila
     from tests.cluster_fixture import write_config
     addr = write_config(tmp_path / "cluster.yaml")
     with running(tmp_path / "cluster.yaml", tmp_path, timeout_s=240), RouterClient(addr["router"]) as client:
-        [decode] = [p for p in psutil.process_iter(["cmdline"])
-                    if "ember.services.decode" in (p.info["cmdline"] or []) and str(tmp_path) in " ".join(p.info["cmdline"])]
+        [decode] = [p for p in psutil.process_iter(["cmdline"]) if "ember.services.decode" in (p.info["cmdline"] or [])
+                    and str(tmp_path) in " ".join(p.info["cmdline"])]
         [core] = [c for c in decode.children() if "ember.serving.core_process" in c.cmdline()]
         stream = client.stream(text="Count slowly: one, two, three,", max_tokens=2000, ignore_eos=True, timeout=120)
         next(stream), next(stream)  # decoding at the edge

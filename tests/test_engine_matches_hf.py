@@ -38,7 +38,7 @@ def test_chat_prompt_matches_transformers(engine, hf_model, hf_greedy):
 
 
 def test_batch_of_8_mixed_lengths_runs_concurrently_and_matches(make_engine, hf_greedy):
-    engine = make_engine(kv_cache_bytes=256 * 2**20, max_num_batched_tokens=512)
+    engine = make_engine(kv_cache_mb=256, max_num_batched_tokens=512)
     prompts = [_ids(engine, p) for p in PROMPTS] + [
         _ids(engine, "List the days of the week:"), _ids(engine, "Water boils at"),
     ]

@@ -83,7 +83,7 @@ def test_q4_engine_answers_and_hashes_kv_apart(q4_loaded, engine):
     from ember.engine.config import EngineConfig
     from ember.engine.engine import LLMEngine
     from ember.engine.sampling_params import SamplingParams
-    q4 = LLMEngine(EngineConfig(dtype="bfloat16", weights="q4", num_threads=2, kv_cache_bytes=32 * 2**20),
+    q4 = LLMEngine(EngineConfig(dtype="bfloat16", weights="q4", threads=2, kv_cache_mb=32),
                    loaded=q4_loaded)
     prompt = q4.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
     out = q4.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
@@ -93,11 +93,10 @@ def test_q4_engine_answers_and_hashes_kv_apart(q4_loaded, engine):
 
 
 def test_q4_needs_bf16_and_a_gguf():
-    from ember.engine.config import EngineConfig
-    from ember.placement.config import EngineSettings
+    from ember.engine.config import EngineConfig, EngineSettings
     with pytest.raises(ValueError, match="bfloat16"):
         EngineConfig(weights="q4", dtype="float32")
-    with pytest.raises(ValueError, match="dense"):
+    with pytest.raises(ValueError, match="weights"):
         EngineConfig(weights="q8")
     with pytest.raises(ValueError, match="bfloat16"):
         EngineSettings(weights="q4", dtype="float32")

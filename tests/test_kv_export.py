@@ -10,7 +10,7 @@ from tests.conftest import LONG_TEXT
 
 
 def test_prefill_export_import_resume_equals_colocated(make_engine):
-    prefill, decode, colocated = (make_engine(kv_cache_bytes=64 * 2**20) for _ in range(3))
+    prefill, decode, colocated = (make_engine(kv_cache_mb=64) for _ in range(3))
     ids = prefill.tokenizer.encode(LONG_TEXT[:1500])
     params = SamplingParams(max_tokens=16, temperature=0.8, seed=7)
     [want] = colocated.generate([ids], params)
@@ -50,7 +50,7 @@ def test_export_of_an_unknown_block_is_a_key_error(engine):
 
 
 def test_resume_with_output_prefix_streams_the_same_text_as_colocated(make_engine):
-    prefill, decode, colocated = (make_engine(kv_cache_bytes=32 * 2**20) for _ in range(3))
+    prefill, decode, colocated = (make_engine(kv_cache_mb=32) for _ in range(3))
     prompt = prefill.tokenizer.apply_chat_template(
         [{"role": "user", "content": "Reply with three emoji and the word 'café' in Japanese: 🎉"}])
     ids = prefill.tokenizer.encode(prompt)

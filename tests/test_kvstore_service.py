@@ -13,9 +13,9 @@ from ember.kv import bulk, transfer, wire
 from ember.kv.chunks import split
 from ember.kv.shm import ArenaReader, ArenaServer
 from ember.rpc.errors import ErrorInterceptor
-from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 from ember.services.kvstore.service import KVStoreService
 from ember.services.kvstore.store import BlockStore
+from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 from tests.test_kvstore_unit import frame
 
 SIZE = wire.frame_bytes(2 * 2 * 2 * 16 * 4 * 2)  # tests.test_kv_wire.LAYOUT

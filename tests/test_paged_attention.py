@@ -147,8 +147,8 @@ def test_torch_facts_the_batch_invariant_attention_relies_on():
 
 
 def test_chunked_prefill_gives_the_same_tokens_as_one_shot(make_engine):
-    one_shot = make_engine(kv_cache_bytes=128 * 2**20, max_num_batched_tokens=2048)
-    chunked = make_engine(kv_cache_bytes=128 * 2**20, max_num_batched_tokens=100)
+    one_shot = make_engine(kv_cache_mb=128, max_num_batched_tokens=2048)
+    chunked = make_engine(kv_cache_mb=128, max_num_batched_tokens=100)
     ids = one_shot.tokenizer.encode(LONG_TEXT[:2500] + "\nSummary:")
     params = SamplingParams(max_tokens=12)
     [a] = one_shot.generate([ids], params)

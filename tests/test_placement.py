@@ -6,8 +6,9 @@ import copy
 import pytest
 import yaml
 
+from ember.config.load import load_config
+from ember.config.schema import ClusterConfig
 from ember.placement.cli import main_for_tests
-from ember.placement.config import ClusterConfig, load_config
 from ember.placement.examples import region_weights, topology
 from ember.placement.policy import Load, NoCapacity, Placer, Request
 from ember.placement.simulate import Simulator
@@ -32,7 +33,7 @@ def three_sites(**policy) -> dict:
                              "decode_batch_tokens_per_s": 2000, "max_batch": 2},
                      "small": {"prefill_tokens_per_s": 3000, "decode_tokens_per_s": 40,
                                "decode_batch_tokens_per_s": 800, "max_batch": 2}},
-        "policy": {"kv_bytes_per_token": 100_000, **policy},
+        "placement": {"kv_bytes_per_token": 100_000, **policy},
     }
 
 
@@ -131,15 +132,15 @@ def test_decode_heavy_requests_pick_a_decode_heavy_pool_within_slack():
 
 
 def test_baselines_and_fixed_placement():
-    central = Placer(ClusterConfig.model_validate(three_sites(name="central")))
+    central = Placer(ClusterConfig.model_validate(three_sites(policy="central")))
     d = central.place(req(100), Load())
     assert (d.prefill_site, d.decode_site) == ("central", "central")
-    edge = Placer(ClusterConfig.model_validate(three_sites(name="edge")))
+    edge = Placer(ClusterConfig.model_validate(three_sites(policy="edge")))
     d = edge.place(req(6000), Load())
     assert (d.prefill_site, d.decode_site) == ("west", "west")
     local = load_config("configs/local.yaml")
     d = Placer(local).place(Request(100), Load())
-    assert (d.prefill_site, d.decode_site, local.policy.name) == ("central", "edge", "fixed")
+    assert (d.prefill_site, d.decode_site, local.placement.policy) == ("central", "edge", "fixed")
 
 
 def test_simulator_ember_beats_both_baselines_on_p95_ttft():

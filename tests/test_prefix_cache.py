@@ -6,7 +6,7 @@ from tests.conftest import LONG_TEXT, PROMPTS
 
 
 def test_second_request_computes_only_uncached_tokens(make_engine):
-    engine = make_engine(kv_cache_bytes=128 * 2**20)
+    engine = make_engine(kv_cache_mb=128)
     system = engine.tokenizer.encode(LONG_TEXT[:1200])
     first = system + engine.tokenizer.encode("\nQuestion one: how many boats?")
     second = system + engine.tokenizer.encode("\nQuestion two: what rose higher?")
@@ -19,13 +19,13 @@ def test_second_request_computes_only_uncached_tokens(make_engine):
     assert out.cached_tokens == shared_blocks * 16
     # only the uncached prompt tail plus one token per decode step
     assert computed == len(second) - out.cached_tokens + len(out.token_ids) - 1
-    fresh = make_engine(kv_cache_bytes=128 * 2**20)
+    fresh = make_engine(kv_cache_mb=128)
     [cold] = fresh.generate([second], params)
     assert cold.cached_tokens == 0 and cold.token_ids == out.token_ids
 
 
 def test_4x_oversubscribed_pool_never_changes_outputs(make_engine):
-    roomy = make_engine(kv_cache_bytes=256 * 2**20)
+    roomy = make_engine(kv_cache_mb=256)
     tight_blocks = 12  # 192 token slots for 10 sequences
     tight = make_engine(num_kv_blocks=tight_blocks, max_num_batched_tokens=256)
     prompts = [tight.tokenizer.encode(p) for p in PROMPTS[:5]]

@@ -74,7 +74,7 @@ def test_bad_prompts_raise_clear_errors(engine, make_engine):
     with pytest.raises(InvalidRequestError, match="token ids"):
         engine.add_request([1, 2, 10**6])
     small = make_engine(num_kv_blocks=4)
-    with pytest.raises(CapacityError, match="kv_cache_bytes"):
+    with pytest.raises(CapacityError, match="kv_cache_mb"):
         small.add_request([5] * 100, SamplingParams(max_tokens=10))
     assert not engine.has_unfinished() and not small.has_unfinished()
 

@@ -196,23 +196,22 @@ class ManagedLlamaServer(LlamaServer):
 def run_cluster(model: str, body, config: Path | None = None) -> dict:
     """Start the shipped local cluster (configs/local.yaml: prefill + decode + two kvstores + router,
     its engine settings untouched) on free ports, run body, stop it; returns the engine settings."""
-    from ember.cluster.config import load_config
-    from ember.cluster.launcher import REPO_ROOT, running
+    from ember.cluster.launcher import default_config, running
     from ember.cluster.ports import on_free_ports
-    from ember.kv.block_hash import KVLayout
-    from ember.model.files import model_folder, resolve_serving
-    from ember.model.llama import ModelArgs
+    from ember.config.derived import model_facts
+    from ember.config.load import load_config
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp)
-        on_free_ports(config or REPO_ROOT / "configs" / "local.yaml", run_dir / "cluster.yaml", model)
-        engine = load_config(run_dir / "cluster.yaml").engine.model_dump()  # effective settings, defaults included
-        dtype, weights = resolve_serving(model, engine["dtype"], engine["weights"])
+        on_free_ports(config or default_config(), run_dir / "cluster.yaml", model)
+        cluster = load_config(run_dir / "cluster.yaml")
+        engine = cluster.engine.for_role("decode").model_dump()  # effective settings, defaults included
         with running(run_dir / "cluster.yaml", run_dir, timeout_s=300):
+            facts = model_facts(cluster)
+            dtype, weights = facts.dtype, facts.weights
             services = json.loads((run_dir / "services.json").read_text())
             kvstores = [v["address"] for k, v in services.items() if k.startswith("kvstore")]
             engines = [v["metrics"] for k, v in services.items() if k.startswith(("prefill", "decode"))]
-            a = ModelArgs.from_hf_config(json.loads((model_folder(model) / "config.json").read_text()))
-            block_bytes = KVLayout("", dtype, 16, a.num_layers, a.num_kv_heads, a.head_dim).block_bytes
+            block_bytes = facts.kv_layout.block_bytes
             body(lambda: EmberCluster(services["router"]["address"], kvstores, block_bytes, engines))
         return engine | {"dtype": dtype, "weights": weights}
 
@@ -231,8 +230,8 @@ def prefill_roofline(model: str, threads: int, weights: str, quick: bool) -> dic
     # slower, on CPUs without AVX512-BF16)
     by_dtype = {d: matmul_gflops(getattr(torch, d), threads) for d in dict.fromkeys(("float32", dtype))}
     roof = max(by_dtype.values(), key=lambda r: r["roofline"]) | {"by_dtype": by_dtype}
-    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, weights=weights, num_threads=threads,
-                                    kv_cache_bytes=256 * 2**20, max_num_batched_tokens=4096))
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, weights=weights, threads=threads,
+                                    kv_cache_mb=256, max_num_batched_tokens=4096))
     lengths = (256,) if quick else (512, 2048)
     rates = {}
     for n in lengths:

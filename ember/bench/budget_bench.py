@@ -128,7 +128,7 @@ def main(args) -> int:
     threads = args.threads or os.cpu_count() or 1
     decode_batch, context, reps = (4, 512, 2) if args.quick else (8, 1024, 3)
     slos = sorted({0.1, 0.2, args.slo_tpot})
-    configs = {k: v for k, v in CONFIGS.items() if args.weights is None or v["weights"] == args.weights}
+    configs = {k: v for k, v in CONFIGS.items() if args.weights in (None, "auto") or v["weights"] == args.weights}
     result = {"machine": {"cpu_count": os.cpu_count(), "threads": threads, "platform": platform.platform(),
                           "torch": torch.__version__},
               "model": os.path.basename(args.model), "decode_batch": decode_batch,
@@ -138,8 +138,8 @@ def main(args) -> int:
         progress(f"{name}: loading, prefilling {decode_batch} decoders behind a {context}-token prefix")
         start = time.perf_counter()
         try:
-            engine = LLMEngine(EngineConfig(model=args.model, num_threads=threads,
-                                            kv_cache_bytes=args.kv_cache_mb * 2**20, **cfg))
+            engine = LLMEngine(EngineConfig(model=args.model, threads=threads,
+                                            kv_cache_mb=args.kv_cache_mb, **cfg))
         except (RuntimeError, ValueError) as e:  # a config this machine cannot load
             progress(f"{name}: cannot run here: {e}")
             result["configs"][name] = {"error": str(e)}

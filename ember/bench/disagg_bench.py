@@ -73,8 +73,8 @@ def main(args) -> int:
         progress("starting the local cluster")
         with running(run_dir / "cluster.yaml", run_dir, timeout_s=300):
             progress("colocated engine: loading")
-            engine = LLMEngine(EngineConfig(model=args.model, num_threads=threads,
-                                            kv_cache_bytes=args.kv_cache_mb * 2**20))
+            engine = LLMEngine(EngineConfig(model=args.model, threads=threads,
+                                            kv_cache_mb=args.kv_cache_mb))
             with RouterClient(addr["router"]) as client:
                 client.complete(text="warm up", max_tokens=2, timeout=120)
                 colocated_request(engine, [5, 6, 7], 2)

@@ -108,9 +108,9 @@ def compare(systems: dict, lengths, batches, new_tokens: int, reps: int) -> dict
     return out
 
 
-def run_serve_probe(model: str, kv_cache_mb: int, threads: int) -> dict:
+def run_serve_probe(model: str, kv_cache_mb: int | None, threads: int) -> dict:
     cmd = [sys.executable, "-m", "ember.bench.serve_probe", "--model", model,
-           "--kv-cache-mb", str(kv_cache_mb), "--threads", str(threads)]
+           "--kv-cache-mb", str(kv_cache_mb or 512), "--threads", str(threads)]
     runs = [json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600).stdout)
             for _ in range(2)]
     return runs[-1] | {"startup_to_first_token_s_first_run": runs[0]["startup_to_first_token_s"]}
@@ -156,8 +156,8 @@ def main(args) -> int:
     progress("loading Ember (float32, bfloat16) and transformers")
     systems = {}
     for dtype in ("float32", "bfloat16"):
-        engine = LLMEngine(EngineConfig(model=str(model), dtype=dtype, weights="dense", num_threads=threads,
-                                        kv_cache_bytes=args.kv_cache_mb * 2**20))
+        engine = LLMEngine(EngineConfig(model=str(model), dtype=dtype, weights="dense", threads=threads,
+                                        kv_cache_mb=args.kv_cache_mb))
         systems[f"ember_{dtype}"] = EmberSystem(engine)
         result.setdefault("kernels", engine.kernels)
     torch.set_num_threads(threads)

@@ -31,8 +31,8 @@ import grpc
 import numpy as np
 
 from ember.bench.measure import progress, write_result
-from ember.cluster.launcher import REPO_ROOT, wait_serving
-from ember.cluster.ports import free_port
+from ember.cluster.launcher import wait_serving
+from ember.cluster.ports import write_kvstore_config
 from ember.kv import bulk, codec, wire
 from ember.kv.chunks import split
 from ember.kv.shm import ArenaReader
@@ -54,8 +54,8 @@ def real_kv(model: str, dtype: str, threads: int) -> tuple[wire.FrameHeader, lis
     from ember.engine.engine import LLMEngine
     from ember.engine.sampling_params import SamplingParams
     from ember.kv.block_hash import chain_hashes
-    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, weights="dense", kv_cache_bytes=192 * 2**20,
-                                    num_threads=threads))
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, weights="dense", kv_cache_mb=192,
+                                    threads=threads))
     ids = engine.tokenizer.encode(english_prompt(30))[:1536]
     engine.generate([ids], SamplingParams(max_tokens=1))
     hashes = chain_hashes(ids, engine.config.block_size, engine.block_manager.root_hash)
@@ -137,14 +137,13 @@ def _memfd_view(num_bytes: int) -> memoryview:
 
 class KVStoreProcess:
     def __init__(self, run_dir: Path, name: str, capacity_mb: int, codec_mode: str = "raw"):
-        self.address, self.data = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        config = run_dir / f"{name}.yaml"
+        addr = write_kvstore_config(config, capacity_mb, codec_mode)
+        self.address, self.data = addr["kvstore"], addr["kvstore_data"]
         self.log = run_dir / f"{name}.log"
-        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
         with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "ember.services.kvstore", "--listen", self.address,
-                                          "--data-listen", self.data, "--capacity-mb", str(capacity_mb),
-                                          "--codec", codec_mode], stdout=log, stderr=subprocess.STDOUT,
-                                         cwd=REPO_ROOT, env=env)
+            self.proc = subprocess.Popen([sys.executable, "-m", "ember.services.kvstore", "--config", str(config),
+                                          "--site", "solo"], stdout=log, stderr=subprocess.STDOUT)
         self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self.stub = kvstore_pb2_grpc.KVStoreStub(self.channel)
 

@@ -25,8 +25,8 @@ import yaml
 from ember.bench.measure import progress, write_result
 from ember.cluster.launcher import running
 from ember.cluster.ports import free_port
+from ember.config.schema import ClusterConfig
 from ember.placement import trace as traces
-from ember.placement.config import ClusterConfig
 from ember.placement.simulate import Simulator
 
 
@@ -34,7 +34,7 @@ def measure_profile(model: str, threads: int) -> dict:
     from ember.engine.config import EngineConfig
     from ember.engine.engine import LLMEngine
     from ember.engine.sampling_params import SamplingParams
-    engine = LLMEngine(EngineConfig(model=model, num_threads=threads, kv_cache_bytes=128 * 2**20))
+    engine = LLMEngine(EngineConfig(model=model, threads=threads, kv_cache_mb=128))
     rng = random.Random(7)
 
     def prefill_s(n: int) -> float:
@@ -67,7 +67,8 @@ def cluster_config(model: str, profile: dict, threads: int) -> dict:
     for s in sites:
         s["hardware"] = "measured"
     return {
-        "model": model, "router": addr(), "router_site": "west", "emulate_links": True, "sites": sites,
+        "model": model, "router": {"listen": addr(), "site": "west"}, "placement": {"emulate_links": True},
+        "sites": sites,
         "links": [{"a": "central", "b": "west", "rtt_ms": 60, "bandwidth_gbps": 1.0},
                   {"a": "central", "b": "east", "rtt_ms": 60, "bandwidth_gbps": 1.0},
                   {"a": "west", "b": "east", "rtt_ms": 30, "bandwidth_gbps": 1.0}],
@@ -75,7 +76,7 @@ def cluster_config(model: str, profile: dict, threads: int) -> dict:
                     {"name": "users-east", "reach": [{"site": "east", "rtt_ms": 0}, {"site": "west", "rtt_ms": 30}]}],
         "hardware": {"measured": profile},
         "engine": {"kv_cache_mb": 160, "threads": threads},
-        "kvstore_capacity_mb": 256,
+        "kvstore": {"capacity_mb": 256},
     }
 
 

@@ -41,7 +41,7 @@ def main() -> None:
     from ember.engine.sampling_params import SamplingParams
     from ember.model.loader import load_model
 
-    config = EngineConfig(model=args.model, num_threads=args.threads, kv_cache_bytes=args.kv_cache_mb * 2**20)
+    config = EngineConfig(model=args.model, threads=args.threads, kv_cache_mb=args.kv_cache_mb)
     t0 = time.time()
     loaded = load_model(config.model, config.dtype, config.weights)
     t1 = time.time()

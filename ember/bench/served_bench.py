@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
+from pathlib import Path
 
 from ember.bench.measure import progress, write_result
 
@@ -20,13 +21,14 @@ PROMPT = ("You are a coding agent. Read the tool output below and answer with th
 
 
 def direct(model: str, max_tokens: int, reps: int) -> dict:
-    from ember.cluster.config import engine_config, load_config
-    from ember.cluster.launcher import REPO_ROOT
+    from ember.cluster.launcher import default_config
+    from ember.config.load import load_config
+    from ember.config.services import engine_settings
     from ember.engine.engine import LLMEngine
     from ember.engine.sampling_params import SamplingParams
-    config = load_config(REPO_ROOT / "configs" / "local.yaml")
+    config = load_config(default_config())
     config.model = model
-    engine = LLMEngine(engine_config(config, REPO_ROOT))
+    engine = LLMEngine(engine_settings(config, "decode", config.placement.decode_site)[1])
     ids = engine.tokenizer.encode(PROMPT)
     rates = []
     for i in range(reps + 1):
@@ -39,7 +41,7 @@ def direct(model: str, max_tokens: int, reps: int) -> dict:
             rates.append((max_tokens - 1) / (time.perf_counter() - first))
     return {"decode_tok_per_s": statistics.median(rates), "runs": rates, "prompt_tokens": len(ids),
             "engine": {"dtype": engine.config.dtype, "weights": engine.config.weights,
-                       "threads": engine.config.threads}}
+                       "threads": engine.config.torch_threads()}}
 
 
 def served(model: str, max_tokens: int, reps: int) -> dict:
@@ -76,9 +78,7 @@ def served(model: str, max_tokens: int, reps: int) -> dict:
 
 
 def main(args) -> int:
-    from ember.cluster.launcher import REPO_ROOT
-    from ember.model.fetch import DEFAULT_MODEL_PATH
-    model = str(REPO_ROOT / DEFAULT_MODEL_PATH) if args.model == str(DEFAULT_MODEL_PATH) else args.model
+    model = str(Path(args.model).resolve())
     max_tokens, reps = (32, 1) if args.quick else (128, 3)
     progress("direct: the engine on this process's main thread")
     result = {"max_tokens": max_tokens, "direct": direct(model, max_tokens, reps)}

@@ -10,8 +10,9 @@ from __future__ import annotations
 import time
 
 from ember.bench.measure import progress, write_result
+from ember.config.load import load_config
+from ember.config.schema import ClusterConfig
 from ember.placement import trace as traces
-from ember.placement.config import ClusterConfig, load_config
 from ember.placement.examples import region_weights, topology
 from ember.placement.simulate import Simulator
 

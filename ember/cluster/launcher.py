@@ -1,8 +1,10 @@
 """`ember up` / `ember down`: the local cluster as separate processes.
 
-Each service runs as `python -m ember.services.<name>` in its own session (it outlives the
-`ember up` command), logging to RUN_DIR/<name>.log; pids go to RUN_DIR/pids.json.
-`up` returns once every service reports SERVING on grpc.health.v1.
+Each service runs as `python -m ember.services.<role> --config FILE [--site SITE]` (the
+installed package; no PYTHONPATH, any working directory) in its own session (it outlives the
+`ember up` command), logging to RUN_DIR/<name>.log; pids go to RUN_DIR/pids.json. `up` fetches a
+named model into the user cache if absent and returns once every service reports SERVING on
+grpc.health.v1.
 """
 from __future__ import annotations
 
@@ -14,15 +16,29 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib.resources import files
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from platformdirs import user_state_path
 
-from ember.cluster.config import ClusterConfig, load_config
 from ember.cluster.ports import free_port
+from ember.config.load import load_config
+from ember.config.schema import ClusterConfig
+from ember.config.services import services
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+
+def default_config() -> Path:
+    """The shipped local cluster (configs/local.yaml, installed as ember.configs)."""
+    return Path(str(files("ember.configs") / "local.yaml"))
+
+
+def default_run_dir() -> Path:
+    """Where `ember up` keeps logs and pids unless told: $EMBER_STATE_DIR/runs/local, else the
+    user state folder (~/.local/state/ember/runs/local on Linux)."""
+    root = os.environ.get("EMBER_STATE_DIR")
+    return (Path(root) if root else user_state_path("ember", appauthor=False)) / "runs" / "local"
 
 
 class _Ports:
@@ -30,8 +46,8 @@ class _Ports:
     give back a just-probed port)."""
 
     def __init__(self, config: ClusterConfig):
-        addresses = [config.router, config.router_http] + [getattr(s, f) for s in config.sites
-                                                           for f in ("prefill", "decode", "kvstore", "kvstore_data")]
+        addresses = [config.router.listen, config.router.http] + [
+            getattr(s, f) for s in config.sites for f in ("prefill", "decode", "kvstore", "kvstore_data")]
         self.taken = {int(a.rsplit(":", 1)[1]) for a in addresses if a}
 
     def address(self) -> str:
@@ -43,9 +59,9 @@ class _Ports:
 
 def emulated_links(config: ClusterConfig, ports: _Ports | None = None) -> tuple[list[dict], dict[str, list[str]]]:
     """Relays for every inter-site hop, and the `--route` arguments of each process that uses
-    them: {"router": [...], "kvstore-<site>": [...]}. Empty unless `emulate_links` is set."""
+    them: {"router": [...], "kvstore-<site>": [...]}. Empty unless placement.emulate_links is set."""
     relays, routes = [], {"router": []}
-    if not config.emulate_links:
+    if not config.placement.emulate_links:
         return relays, routes
     ports = ports or _Ports(config)
 
@@ -57,8 +73,8 @@ def emulated_links(config: ClusterConfig, ports: _Ports | None = None) -> tuple[
         relays.append({"listen": listen, "target": target, "rtt_ms": link.rtt_ms, "gbps": link.bandwidth_gbps})
         routes.setdefault(user, []).append(f"{target}={listen}")
     for site in config.sites:
-        relay(config.router_site, site.name, site.prefill, "router")
-        relay(config.router_site, site.name, site.decode, "router")
+        relay(config.router.site, site.name, site.prefill, "router")
+        relay(config.router.site, site.name, site.decode, "router")
         for peer in config.sites:  # kvstore at `site` pulling from `peer`
             if peer.name != site.name and site.has("kvstore"):
                 relay(site.name, peer.name, peer.kvstore, f"kvstore-{site.name}")
@@ -77,30 +93,28 @@ def service_commands(config: ClusterConfig, config_path: Path, run_dir: Path | N
         spec = (run_dir or config_path.parent) / "links.json"
         spec.write_text(json.dumps(relays, indent=1))
         commands["links"] = ([py, "-m", "ember.cluster.wan", "--spec", str(spec)], None)
-    for site in config.sites:
-        if not site.has("kvstore"):
-            continue
-        argv = [py, "-m", "ember.services.kvstore", "--listen", site.kvstore, "--site", site.name,
-                "--capacity-mb", str(config.kvstore_capacity_mb), "--codec", config.kvstore_codec,
-                "--directory", config.directory_url(), "--directory-ttl-s", str(config.directory_ttl_s)]
-        if site.kvstore_data:
-            argv += ["--data-listen", site.kvstore_data]
-        if not config.kvstore_shared_memory:
-            argv += ["--shm-socket", "off"]
-        argv += [a for r in routes.get(f"kvstore-{site.name}", []) for a in ("--route", r)]
-        commands[f"kvstore-{site.name}"] = (argv, site.kvstore)
-        if site.has("prefill") and (config.regions or site.name == config.prefill_site):
-            commands[f"prefill-{site.name}"] = ([py, "-m", "ember.services.prefill", "--config", cfg, "--site", site.name],
-                                                site.prefill)
-        if site.has("decode") and (config.regions or site.name == config.decode_site):
-            commands[f"decode-{site.name}"] = ([py, "-m", "ember.services.decode", "--config", cfg, "--site", site.name],
-                                               site.decode)
-    router = [py, "-m", "ember.services.router", "--config", cfg] + [a for r in routes["router"] for a in ("--route", r)]
-    commands["router"] = (router, config.router)
-    for argv, address in commands.values():
-        if address is not None:  # every gRPC service also serves Prometheus /metrics
-            argv += ["--metrics-listen", ports.address()]
+    for svc in services(config):
+        argv = [py, "-m", f"ember.services.{svc.role}", "--config", cfg]
+        argv += ["--site", svc.site] if svc.site else []
+        argv += [a for r in routes.get(svc.name, []) for a in ("--route", r)]
+        argv += ["--metrics-listen", ports.address()]  # every gRPC service also serves Prometheus /metrics
+        commands[svc.name] = (argv, svc.address)
     return commands
+
+
+def prepare_model(config: ClusterConfig) -> Path:
+    """The model's file, fetched into the user cache when it is a named model not there yet, and
+    a GGUF converted once here (not racing in two engine processes)."""
+    from ember.model.fetch import MODELS, fetch_model
+    model = config.model_path()
+    if config.model in MODELS:
+        fetch_model(config.model, model)
+    if not model.exists():
+        raise FileNotFoundError(f"model not found: {model} (from `model: {config.model}` in the config)")
+    if model.suffix == ".gguf":
+        from ember.model.loader import ensure_gguf_cache
+        ensure_gguf_cache(model)
+    return model
 
 
 def wait_serving(address: str, deadline: float, proc: subprocess.Popen, log_path: Path) -> None:
@@ -121,19 +135,16 @@ def wait_serving(address: str, deadline: float, proc: subprocess.Popen, log_path
             time.sleep(0.2)
 
 
-def up(config_path: str | Path, run_dir: str | Path, timeout_s: float = 300) -> ClusterConfig:
-    config_path, run_dir = Path(config_path).resolve(), Path(run_dir).resolve()
+def up(config_path: str | Path | None = None, run_dir: str | Path | None = None,
+       timeout_s: float = 300) -> ClusterConfig:
+    config_path = Path(config_path or default_config()).resolve()
+    run_dir = Path(run_dir or default_run_dir()).resolve()
     config = load_config(config_path)
-    model = config.model_path(REPO_ROOT)
-    if model.suffix == ".gguf":  # convert once here, not racing in two engine processes
-        from ember.model.loader import ensure_gguf_cache
-        if not model.exists():
-            raise FileNotFoundError(f"model not found: {model} (run `make setup`)")
-        ensure_gguf_cache(model)
+    prepare_model(config)
     run_dir.mkdir(parents=True, exist_ok=True)
     if (run_dir / "pids.json").exists():
         down(run_dir)
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ)
     env.pop("EMBER_OMP_PASSIVE", None)  # the cluster's processes share cores: they always wait passively
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.setdefault("EMBER_LOG_FORMAT", "json")  # one JSON object per line, with request ids
@@ -144,7 +155,7 @@ def up(config_path: str | Path, run_dir: str | Path, timeout_s: float = 300) -> 
     try:
         for name, (argv, _) in commands.items():
             with open(run_dir / f"{name}.log", "ab") as log:
-                procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
+                procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir, env=env,
                                                start_new_session=True)
             (run_dir / "pids.json").write_text(json.dumps({n: p.pid for n, p in procs.items()}))
         (run_dir / "services.json").write_text(json.dumps(  # for `ember status` and tests
@@ -161,7 +172,8 @@ def up(config_path: str | Path, run_dir: str | Path, timeout_s: float = 300) -> 
 
 
 @contextmanager
-def running(config_path: str | Path, run_dir: str | Path, timeout_s: float = 300) -> Iterator[ClusterConfig]:
+def running(config_path: str | Path | None, run_dir: str | Path | None,
+            timeout_s: float = 300) -> Iterator[ClusterConfig]:
     """The cluster of `config_path`, up for the `with` block and stopped after it, whatever happens."""
     config = up(config_path, run_dir, timeout_s)
     try:
@@ -170,9 +182,9 @@ def running(config_path: str | Path, run_dir: str | Path, timeout_s: float = 300
         down(run_dir)
 
 
-def down(run_dir: str | Path, grace_s: float = 15) -> list[str]:
+def down(run_dir: str | Path | None = None, grace_s: float = 15) -> list[str]:
     """SIGTERM every process of the cluster (they drain), SIGKILL what is left after grace_s."""
-    pid_file = Path(run_dir) / "pids.json"
+    pid_file = Path(run_dir or default_run_dir()) / "pids.json"
     if not pid_file.exists():
         return []
     pids = json.loads(pid_file.read_text())

@@ -21,10 +21,8 @@ def write_local_config(path: Path, model: str, kvstore_capacity_mb: int = 256, d
                          "kv_edge_data")}
     config = {
         "model": model,
-        "router": addr["router"],
-        "router_http": addr["router_http"],
-        "prefill_site": "central",
-        "decode_site": "edge",
+        "router": {"listen": addr["router"], "http": addr["router_http"]},
+        "placement": {"prefill_site": "central", "decode_site": "edge"},
         "sites": [
             {"name": "central", "prefill": addr["prefill"], "kvstore": addr["kv_central"],
              "kvstore_data": addr["kv_central_data"]},
@@ -32,22 +30,27 @@ def write_local_config(path: Path, model: str, kvstore_capacity_mb: int = 256, d
              "kvstore_data": addr["kv_edge_data"]},
         ],
         "engine": {"kv_cache_mb": 128, "threads": 1, **engine},
-        "kvstore_capacity_mb": kvstore_capacity_mb,
+        "kvstore": {"capacity_mb": kvstore_capacity_mb, "shared_memory": shared_memory},
     }
     if directory:
-        config["directory"] = directory
-    if not shared_memory:
-        config["kvstore_shared_memory"] = False
-    path.write_text(yaml.safe_dump(config))
+        config["directory"] = {"url": directory}
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
     return addr
 
 
-ADDRESS_KEYS = ("router", "router_http", "prefill", "decode", "kvstore", "kvstore_data")
+def write_kvstore_config(path: Path, capacity_mb: int = 256, codec: str = "auto", site: str = "solo") -> dict[str, str]:
+    """A one-site config holding only a kvstore on free ports (kvstore tests and benchmarks):
+    `ember serve kvstore --config PATH --site solo`. Returns its gRPC and data addresses."""
+    addr = {"kvstore": f"127.0.0.1:{free_port()}", "kvstore_data": f"127.0.0.1:{free_port()}"}
+    path.write_text(yaml.safe_dump({"sites": [{"name": site, **addr}],
+                                    "kvstore": {"capacity_mb": capacity_mb, "codec": codec}}, sort_keys=False))
+    return addr
 
 
 def on_free_ports(source: Path, path: Path, model: str | None = None) -> dict:
     """Copy the cluster config `source` to `path` with every address moved to a free loopback port
-    and the model path made absolute; everything else (engine, kvstore, policy) as shipped."""
+    and a model path made absolute (relative to `source`'s folder); everything else as shipped."""
+    from ember.model.fetch import MODELS
     config = yaml.safe_load(Path(source).read_text())
     taken: set[int] = set()
 
@@ -56,13 +59,18 @@ def on_free_ports(source: Path, path: Path, model: str | None = None) -> dict:
             pass
         taken.add(port)
         return f"127.0.0.1:{port}"
-    for holder in (config, *config.get("sites", [])):
-        for key in ADDRESS_KEYS:
-            if holder.get(key):
-                holder[key] = fresh()
-    model_path = Path(model or config["model"])
-    if not model_path.is_absolute():
-        model_path = (Path(source).resolve().parents[1] / model_path).resolve()  # configs/ sits at the repo root
-    config["model"] = str(model_path)
-    path.write_text(yaml.safe_dump(config))
+    router = config.setdefault("router", {})
+    for key in ("listen", "http"):
+        if key == "listen" or router.get(key):
+            router[key] = fresh()
+    for site in config.get("sites", []):
+        for key in ("prefill", "decode", "kvstore", "kvstore_data"):
+            if site.get(key):
+                site[key] = fresh()
+    ref = model or config.get("model")
+    if ref and ref not in MODELS and not Path(ref).is_absolute():
+        ref = str((Path(source).resolve().parent / ref).resolve())
+    if ref:
+        config["model"] = ref
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
     return config

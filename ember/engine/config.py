@@ -1,53 +1,73 @@
-"""Engine configuration: one frozen dataclass, validated (and its "auto" values resolved) when built."""
+"""Engine settings, defined once: the cluster YAML's `engine:` section, the `ember` CLI flags and
+the in-process `EngineConfig` all take these fields, names and defaults.
+
+`EngineConfig` is the settings plus the model to serve; "auto" values are resolved against the
+model file when it is built (ember.model.files.resolve_serving).
+"""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from typing import Literal
 
+from pydantic import ConfigDict, Field, field_validator, model_validator
+
+from ember.config.section import Section
 from ember.model.fetch import DEFAULT_MODEL_PATH
-from ember.model.files import resolve_serving
+from ember.model.files import check_pair, resolve_serving
 
 
-@dataclass(frozen=True)
-class EngineConfig:
+class EngineSettings(Section):
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="activations and KV; auto: bfloat16 for q4 weights, else the checkpoint's "
+                            "(float32 for a GGUF)")
+    weights: Literal["auto", "dense", "q4"] = Field(
+        "auto", description="auto: a Q4_1 GGUF serves its own codes on int4 kernels (q4); dense "
+                            "dequantizes (with dtype float32: the exact path, token-equal to transformers)")
+    block_size: int = Field(16, gt=0, description="tokens per KV block (a power of two); part of every block hash")
+    kv_cache_mb: int | None = Field(None, gt=0, description="KV pool size in MiB; unset: "
+                                                             "kv_cache_memory_fraction of the memory available")
+    kv_cache_memory_fraction: float = Field(0.1, gt=0, le=0.9, description="KV pool share of the memory available "
+                                                                           "when the engine starts")
+    max_num_seqs: int = Field(64, gt=0, description="sequences in one batch")
+    max_num_batched_tokens: int = Field(1024, gt=0, description="tokens per step; bounds a prefill chunk")
+    max_model_len: int | None = Field(None, gt=0, description="longest prompt + output; unset: the model's "
+                                                              "context length")
+    threads: int = Field(0, ge=0, description="torch threads of the engine process; 0: one per core")
+
+    @field_validator("block_size")
+    @classmethod
+    def _power_of_two(cls, v: int) -> int:
+        if v & (v - 1):
+            raise ValueError(f"block_size must be a power of two, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _pair(self):
+        check_pair(self.dtype, self.weights)
+        return self
+
+
+class EngineConfig(EngineSettings):
+    """What one engine runs: the settings, the model, and test-only knobs. Immutable."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
     model: str = str(DEFAULT_MODEL_PATH)
-    # Serving dtype of activations and KV, and how weights are served: "auto" takes the file's
-    # default (a Q4_1 GGUF: its codes on int4 kernels, bf16; see ember.model.files.resolve_serving).
-    # weights="dense", dtype="float32" is the exact path, token-equal to transformers.
-    dtype: str = "auto"
-    weights: str = "auto"
-    block_size: int = 16
-    kv_cache_bytes: int | None = None  # default: kv_cache_memory_fraction of the memory available at start
-    kv_cache_memory_fraction: float = 0.1  # like vLLM's gpu_memory_utilization, for the KV pool alone
-    num_kv_blocks: int | None = None  # overrides both when set
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024  # per-step budget; bounds a prefill chunk
-    max_model_len: int | None = None  # default: the model's context length
-    num_threads: int = 0  # torch intra-op threads; 0 = one per core
+    num_kv_blocks: int | None = Field(None, gt=0)  # overrides the pool size (tests)
     optimize: bool = True  # swap in the fastest available kernels (ember.kernels)
 
-    def __post_init__(self):
-        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise ValueError("max_num_batched_tokens and max_num_seqs must be >= 1")
-        if not 0 < self.kv_cache_memory_fraction <= 0.9:
-            raise ValueError(f"kv_cache_memory_fraction must be in (0, 0.9], got {self.kv_cache_memory_fraction}")
-        if self.kv_cache_bytes is not None and self.kv_cache_bytes <= 0:
-            raise ValueError(f"kv_cache_bytes must be > 0, got {self.kv_cache_bytes}")
+    @model_validator(mode="after")
+    def _resolve_auto(self):
         dtype, weights = resolve_serving(self.model, self.dtype, self.weights)
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "weights", weights)
-        if self.num_threads < 0:
-            raise ValueError(f"num_threads must be >= 0, got {self.num_threads}")
+        return self
 
-    @property
-    def threads(self) -> int:
-        return self.num_threads or os.cpu_count() or 1
+    def torch_threads(self) -> int:
+        return self.threads or os.cpu_count() or 1
 
     def pool_bytes(self) -> int:
-        """The KV pool's size: kv_cache_bytes, else the fraction of memory available now."""
-        if self.kv_cache_bytes is not None:
-            return self.kv_cache_bytes
+        """The KV pool's size: kv_cache_mb, else the fraction of memory available now."""
+        if self.kv_cache_mb is not None:
+            return self.kv_cache_mb * 2**20
         import psutil
         return int(psutil.virtual_memory().available * self.kv_cache_memory_fraction)

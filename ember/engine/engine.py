@@ -20,7 +20,8 @@ from ember.engine.scheduler import Scheduler
 from ember.engine.sequence import Sequence
 from ember.kernels import optimize
 from ember.kv import wire
-from ember.kv.block_hash import KVLayout, chain_hashes, root_hash
+from ember.kv.block_hash import chain_hashes, root_hash
+from ember.model.files import layout_of
 from ember.model.loader import LoadedModel, load_model
 
 
@@ -45,7 +46,7 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None):
-        torch.set_num_threads(config.threads)
+        torch.set_num_threads(config.torch_threads())
         self.config = config
         self.loaded = loaded or load_model(config.model, config.dtype, config.weights)
         loaded_dtype = str(self.loaded.model.norm.weight.dtype).removeprefix("torch.")
@@ -55,8 +56,7 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         args = self.loaded.args
         self.max_model_len = min(config.max_model_len or args.max_position, args.max_position)
-        self.layout = KVLayout(self.loaded.fingerprint, config.dtype, config.block_size,
-                               args.num_layers, args.num_kv_heads, args.head_dim)
+        self.layout = layout_of(args, self.loaded.fingerprint, config.dtype, config.block_size)
         num_blocks = config.num_kv_blocks or config.pool_bytes() // self.layout.block_bytes
         self.cache = PagedKVCache(self.layout, num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, root_hash(self.layout))
@@ -107,7 +107,7 @@ class LLMEngine:
         if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
             raise CapacityError(
                 f"prompt + max_tokens = {total} tokens needs more KV blocks than the pool holds "
-                f"({self.block_manager.num_blocks} blocks of {self.config.block_size}); raise kv_cache_bytes")
+                f"({self.block_manager.num_blocks} blocks of {self.config.block_size}); raise kv_cache_mb")
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)

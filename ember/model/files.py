@@ -97,9 +97,31 @@ def gguf_layer_types(reader) -> list[str]:
                    if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2})
 
 
+def check_pair(dtype: str, weights: str) -> None:
+    """The one rule between the two settings: int4 kernels take bf16 ("auto" defers to the file)."""
+    if weights == "q4" and dtype not in ("bfloat16", "auto"):
+        raise ValueError(f"weights 'q4' needs dtype 'bfloat16' or 'auto' (torch's int4 CPU kernels take bf16 "
+                         f"activations); got dtype {dtype!r}")
+
+
 def check_weights(path: str | Path, dtype: str, weights: str) -> None:
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
-    if weights == "q4" and (dtype != "bfloat16" or Path(path).suffix != ".gguf"):
-        raise ValueError("weights='q4' serves a GGUF's Q4_1 codes and needs dtype='bfloat16' "
-                         f"(torch's int4 CPU kernels take bf16 activations); got dtype={dtype!r}, model={str(path)!r}")
+    check_pair(dtype, weights)
+    if weights == "q4" and Path(path).suffix != ".gguf":
+        raise ValueError(f"weights 'q4' serves a GGUF's Q4_1 codes; {str(path)!r} is not a GGUF")
+
+
+def layout_of(args, fingerprint: str, dtype: str, block_size: int):
+    """The KV layout an engine serving a model of shape `args` (ember.model.args.ModelArgs) writes."""
+    from ember.kv.block_hash import KVLayout
+    return KVLayout(fingerprint, dtype, block_size, args.num_layers, args.num_kv_heads, args.head_dim)
+
+
+def serving_kv_layout(path: str | Path, dtype: str, weights: str, block_size: int):
+    """The same layout, read from the model's files without loading it (the router, the config's
+    derived values). `dtype` and `weights` as resolved by resolve_serving."""
+    from ember.model.args import read_model_args
+    folder = model_folder(path)
+    return layout_of(read_model_args(folder), weights_fingerprint(folder_fingerprint(folder), weights), dtype,
+                     block_size)

@@ -16,12 +16,20 @@ def cmd_config(args) -> int:
     if args.action == "example":
         yaml.safe_dump(topology(args.edges, args.central), sys.stdout, sort_keys=False)
         return 0
-    from ember.placement.config import load_config
+    from ember.config.explain import render
+    from ember.config.load import load_config
+    path = args.file
+    if path is None:
+        from ember.cluster.launcher import default_config
+        path = default_config()
     try:
-        config = load_config(args.file)
+        config = load_config(path)
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    print(f"# {path}: valid. Every setting, its value and where it came from:")
+    print(render(config, path))
+    print()
     print(topology_table(config))
     return 0
 
@@ -32,7 +40,7 @@ def topology_table(config) -> str:
         rows.append((s.name, s.tier, s.region, ",".join(s.roles), s.hardware, str(config.decode_capacity(s.name)),
                      f"{config.profile(s.name).prefill_tokens_per_s:g}"))
     lines = _table(rows)
-    lines.append(f"\n{len(config.links)} links, policy {config.policy.name!r}, router at {config.router_site}")
+    lines.append(f"\n{len(config.links)} links, policy {config.placement.policy!r}, router at {config.router.site}")
     if config.regions:
         region_rows = [("user region", "nearest decode sites (RTT ms)")]
         for r in config.regions:
@@ -48,8 +56,8 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 def cmd_trace(args) -> int:
+    from ember.config.load import load_config
     from ember.placement import trace
-    from ember.placement.config import load_config
     from ember.placement.examples import region_weights
     config = load_config(args.config)
     regions = [r.name for r in config.regions]
@@ -64,8 +72,8 @@ def cmd_trace(args) -> int:
 
 
 def cmd_simulate(args) -> int:
+    from ember.config.load import load_config
     from ember.placement import trace
-    from ember.placement.config import load_config
     from ember.placement.simulate import Simulator
     config = load_config(args.config)
     requests = list(trace.read(args.trace))
@@ -89,7 +97,7 @@ def cmd_simulate(args) -> int:
 def add_commands(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("config", help="check an edge-placement config, or print an example")
     c.add_argument("action", choices=["check", "example"])
-    c.add_argument("file", nargs="?", help="config YAML (check)")
+    c.add_argument("file", nargs="?", help="config YAML (check; default: the shipped local cluster)")
     c.add_argument("--edges", type=int, default=12, help="example: edge sites")
     c.add_argument("--central", type=int, default=3, help="example: central GPU regions")
     c.set_defaults(func=cmd_config)

@@ -46,9 +46,9 @@ def topology(num_edges: int = 12, num_central: int = 3, edge_bandwidth_gbps: flo
         reach = [{"site": e, "rtt_ms": round(_rtt_ms(angle, a, base_ms=2.0) + 3, 1)} for e, a in near]
         reach += [{"site": c, "rtt_ms": round(_rtt_ms(angle, a, base_ms=2.0) + 3, 1)} for c, a in centrals]
         regions.append({"name": f"users-{name}", "reach": reach})
-    return {"router": "127.0.0.1:50051", "sites": sites, "links": links, "regions": regions,
-            "hardware": PROFILES, "policy": {"name": "ember", "codec_saving": 0.0, "layer_overlap": 0.5,
-                                             "kv_bytes_per_token": 160 * 1024}}
+    return {"router": {"listen": "127.0.0.1:50051"}, "sites": sites, "links": links, "regions": regions,
+            "hardware": PROFILES, "placement": {"policy": "ember", "codec_saving": 0.0, "layer_overlap": 0.5,
+                                                "kv_bytes_per_token": 160 * 1024}}
 
 
 def region_weights(num_regions: int) -> list[float]:

@@ -17,7 +17,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ember.placement.config import ClusterConfig, HardwareProfile
+from ember.config.derived import kv_bytes_per_token
+from ember.config.schema import ClusterConfig, HardwareProfile
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,8 @@ class _Route:
 class Placer:
     def __init__(self, config: ClusterConfig):
         self.config = config
-        self.policy = config.policy
+        self.policy = config.placement
+        self.kv_bytes_per_token = kv_bytes_per_token(config)
         self.block_size = config.engine.block_size
         self.profiles: dict[str, HardwareProfile] = {s.name: config.profile(s.name) for s in config.sites}
         self.capacity = {s.name: config.decode_capacity(s.name) for s in config.sites}
@@ -113,14 +115,14 @@ class Placer:
     def _decode_site(self, request: Request, load: Load) -> tuple[str, str]:
         running = load.decode_running
         if request.region is None or request.region not in self.nearest:
-            if self.config.decode_site is None:
+            if self.policy.decode_site is None:
                 raise NoCapacity(f"unknown user region {request.region!r}; configured regions: "
                                  f"{', '.join(self.nearest)}")
-            return self.config.decode_site, "no region: the configured decode site"
+            return self.policy.decode_site, "no region: the configured decode site"
         candidates = self.nearest[request.region]
-        if self.policy.name == "central":
+        if self.policy.policy == "central":
             candidates = [c for c in candidates if self.tier[c[1]] == "central"] or candidates
-        elif self.policy.name in ("edge", "ember"):
+        elif self.policy.policy in ("edge", "ember"):
             candidates = [c for c in candidates if self.tier[c[1]] == "edge"] or candidates
         if self.policy.session_affinity and request.session_id in self.affinity:
             home = self.affinity[request.session_id]
@@ -150,7 +152,7 @@ class Placer:
         cached = min(request.cached_blocks.get(site, 0) * bs, request.prompt_tokens - 1)
         uncached = request.prompt_tokens - cached
         have_at_decode = request.cached_blocks.get(decode_site, 0)
-        kv_bytes = max(0, request.prompt_tokens // bs - have_at_decode) * bs * self.policy.kv_bytes_per_token
+        kv_bytes = max(0, request.prompt_tokens // bs - have_at_decode) * bs * self.kv_bytes_per_token
         link_s = 0.0 if site == decode_site else \
             route.rtt_s + kv_bytes / route.bytes_per_s * (1 - self.policy.layer_overlap)
         return Estimate(site, load.prefill_queue_s.get(site, 0.0), self.profiles[site].prefill_s(uncached, cached),
@@ -160,7 +162,7 @@ class Placer:
         """The feeder with the lowest estimate(...).total_s: the same arithmetic, flattened
         (the simulator places a million requests through this loop)."""
         bs, prompt, cached_blocks = self.block_size, request.prompt_tokens, request.cached_blocks
-        kv_bytes = max(0, prompt // bs - cached_blocks.get(decode_site, 0)) * bs * self.policy.kv_bytes_per_token
+        kv_bytes = max(0, prompt // bs - cached_blocks.get(decode_site, 0)) * bs * self.kv_bytes_per_token
         queue = load.prefill_queue_s.get
         best_site, best = None, float("inf")
         allowed = set(feeders) if len(feeders) != len(self.feeders[decode_site]) else None
@@ -180,13 +182,13 @@ class Placer:
     def place(self, request: Request, load: Load, keep_candidates: bool = True) -> Decision:
         """The decision; `keep_candidates=False` skips building every candidate's Estimate (the
         simulator's hot path), keeping only the winner's."""
-        if self.policy.name == "fixed" or (not self.nearest and request.region is None):
-            d, p = self.config.decode_site, self.config.prefill_site
+        if self.policy.policy == "fixed" or (not self.nearest and request.region is None):
+            d, p = self.policy.decode_site, self.policy.prefill_site
             est = self.estimate(p, d, request, load) or Estimate(p, 0.0, 0.0, 0.0, request.prompt_tokens, 0)
             return Decision(p, d, est, (est,), "fixed placement")
         decode_site, why = self._decode_site(request, load)
         feeders = self.feeders[decode_site]
-        if self.policy.name in ("central", "edge") and decode_site in self.prefill_sites:
+        if self.policy.policy in ("central", "edge") and decode_site in self.prefill_sites:
             feeders = [decode_site]
         if keep_candidates:
             estimates = tuple(e for s in feeders if (e := self.estimate(s, decode_site, request, load)) is not None)
@@ -202,4 +204,4 @@ class Placer:
             if len(self.affinity) > _MAX_SESSIONS:
                 self.affinity.popitem(last=False)
         where = "at the decode site" if best.site == decode_site else "remote"
-        return Decision(best.site, decode_site, best, estimates, f"{self.policy.name}: decode {why}; prefill {where}")
+        return Decision(best.site, decode_site, best, estimates, f"{self.policy.policy}: decode {why}; prefill {where}")

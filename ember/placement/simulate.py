@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from ember.placement.config import ClusterConfig
+from ember.config.schema import ClusterConfig
 from ember.placement.policy import Load, NoCapacity, Placer, Request
 from ember.placement.trace import TraceRequest
 
@@ -65,10 +65,8 @@ class Simulator:
     def __init__(self, config: ClusterConfig, policy: str | None = None, slo_ttft_s: float = 1.0,
                  slo_tpot_s: float = 0.05, kv_cache_tokens: int = 4_000_000):
         if policy is not None:
-            data = config.model_dump()
-            data["policy"]["name"] = policy
-            config = ClusterConfig.model_validate(data)
-        self.config, self.policy = config, config.policy.name
+            config = config.model_copy(update={"placement": config.placement.model_copy(update={"policy": policy})})
+        self.config, self.policy = config, config.placement.policy
         self.placer = Placer(config)
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
         self.block_size = config.engine.block_size

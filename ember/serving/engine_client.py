@@ -13,7 +13,6 @@ Both run the same `serve_loop` over the same `EngineCore`.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import queue
@@ -22,7 +21,6 @@ import subprocess
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict
 from multiprocessing.connection import Connection
 
 from ember.engine.outputs import RequestOutput
@@ -213,7 +211,7 @@ class SubprocessEngineClient(EngineClient):
         """Spawn the core for `config` (an EngineConfig) and wait until its model is warm."""
         mine, theirs = socket.socketpair()
         argv = [sys.executable, "-m", "ember.serving.core_process", "--fd", str(theirs.fileno()),
-                "--config", json.dumps(asdict(config))]
+                "--config", config.model_dump_json()]
         if kvstore:
             argv += ["--kvstore", kvstore] + ([] if use_shm else ["--no-shm"])
         process = subprocess.Popen(argv, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)

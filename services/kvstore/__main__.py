@@ -1,46 +1,47 @@
-"""python -m ember.services.kvstore --listen HOST:PORT [--capacity-mb N] [--data-listen HOST:PORT]
-[--shm-socket PATH|@NAME|off] [--codec auto|raw|planes] [--site NAME --directory URL]"""
+"""ember serve kvstore --config CLUSTER.yaml --site NAME  (or python -m ember.services.kvstore ...)
+
+Everything comes from the YAML: the site's `kvstore` / `kvstore_data` addresses and the
+`kvstore:` and `directory:` sections (ember.config.services.kvstore_settings)."""
 from __future__ import annotations
 
-import argparse
 import os
 
 from ember.cluster.wan import parse_routes
+from ember.config.services import kvstore_settings
 from ember.kv import bulk, transfer
 from ember.kv.shm import ArenaServer
 from ember.rpc import metrics
 from ember.rpc.directory import open_directory
 from ember.rpc.server import Server, bind_address, run_service
-from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
+from ember.services.common import service_args
 from ember.services.kvstore.publisher import Publisher
 from ember.services.kvstore.service import KVStoreService
 from ember.services.kvstore.store import BlockStore
+from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 
 async def main(args) -> None:
-    server = Server(args.listen, [kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name])
-    store = BlockStore(args.capacity_mb * 2**20)
+    s = kvstore_settings(args.cluster, args.site)
+    server = Server(s.listen, [kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name])
+    store = BlockStore(s.capacity_mb * 2**20)
     metrics.watch_store(store)
     metrics.serve(args.metrics_listen)
     store_id = os.urandom(16)
-    shm_socket = "" if args.shm_socket == "off" else args.shm_socket or f"@ember-kvstore-{store_id.hex()}"
+    shm_socket = f"@ember-kvstore-{store_id.hex()}" if s.shm_socket is None else s.shm_socket
     arena = ArenaServer(shm_socket, store.fd, store.capacity_bytes, store_id) if shm_socket else None
-    service = KVStoreService(store, args.data_listen or "", args.codec, shm_socket, store_id,
+    service = KVStoreService(store, s.data_listen or "", s.codec, shm_socket, store_id,
                              routes=parse_routes(args.route))
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, server.server)
     server.server.add_generic_rpc_handlers((bulk.handler(store.pinned, service.put_frame),))
     data_server = None
-    if args.data_listen:
-        host, port = bind_address(args.data_listen).rsplit(":", 1)
+    if s.data_listen:
+        host, port = bind_address(s.data_listen).rsplit(":", 1)
         data_server = await transfer.serve(host, int(port), store.pinned)
-    publisher = None
-    if args.directory:
-        publisher = Publisher(store, open_directory(args.directory, args.directory_ttl_s), args.site)
-        publisher.start()
+    publisher = Publisher(store, open_directory(s.directory, s.directory_ttl_s), s.site)
+    publisher.start()
 
     async def stop():
-        if publisher is not None:
-            await publisher.stop()
+        await publisher.stop()
         if data_server is not None:
             data_server.close()
         if arena is not None:
@@ -49,21 +50,5 @@ async def main(args) -> None:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="ember.services.kvstore")
-    p.add_argument("--listen", required=True)
-    p.add_argument("--capacity-mb", type=int, default=1024)
-    p.add_argument("--data-listen", help="HOST:PORT for the TCP block data plane (faster than gRPC)")
-    p.add_argument("--shm-socket", help="Unix socket handing same-host readers the block arena "
-                   "(default: an abstract socket named after the store; 'off' disables)")
-    p.add_argument("--codec", default="auto", choices=["auto", "raw", "planes"],
-                   help="codec asked of peers on pulls; auto compresses only on links slow enough for it to pay")
-    p.add_argument("--site", default="", help="this kvstore's site name (for the block directory)")
-    p.add_argument("--directory", default="", help="block directory: redis://HOST:PORT/DB or grpc://HOST:PORT")
-    p.add_argument("--route", action="append", default=[], metavar="ADDRESS=RELAY",
-                   help="reach peer ADDRESS through RELAY (an emulated link); repeatable")
-    p.add_argument("--metrics-listen", help="HOST:PORT serving Prometheus /metrics")
-    p.add_argument("--directory-ttl-s", type=float, default=60.0, help="directory entries expire unless refreshed")
-    args = p.parse_args()
-    if args.directory and not args.site:
-        p.error("--directory needs --site")
-    run_service(lambda: main(args), f"kvstore-{args.site}" if args.site else "kvstore")
+    args = service_args("kvstore")
+    run_service(lambda: main(args), f"kvstore-{args.site}")

@@ -9,8 +9,8 @@ import grpc
 
 from ember.kv import bulk, codec, transfer, wire
 from ember.rpc.server import channel
-from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 from ember.services.kvstore.store import BlockStore
+from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 _MEASURE_MIN_BYTES = 4 * 2**20  # smaller pulls measure latency, not bandwidth
 

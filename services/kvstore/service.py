@@ -10,9 +10,9 @@ from ember.kv import codec
 from ember.kv.chunks import Assembler, split
 from ember.rpc import metrics, tracing
 from ember.rpc.errors import RpcError
-from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 from ember.services.kvstore.pull import PeerFetcher, file_frame
 from ember.services.kvstore.store import BlockStore, LeaseError
+from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):

@@ -1,21 +1,19 @@
-"""python -m ember.services.prefill --config CLUSTER.yaml --site NAME"""
+"""ember serve prefill --config CLUSTER.yaml --site NAME  (or python -m ember.services.prefill ...)"""
 from __future__ import annotations
 
 from ember.rpc.server import run_service
-from ember.v1 import prefill_pb2, prefill_pb2_grpc
-from ember.services.common import engine_args, load, serve_engine_service, tokenizer
+from ember.services.common import serve_engine_service, service_args, tokenizer
 from ember.services.prefill.service import PrefillService
+from ember.v1 import prefill_pb2, prefill_pb2_grpc
 
 
 async def main(args) -> None:
-    config = load(args)
-    site = config.site(args.site)
-    service = PrefillService(site.name, site.kvstore, tokenizer(config))
-    await serve_engine_service(site.prefill, prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name,
-                               service, prefill_pb2_grpc.add_PrefillServicer_to_server, config, site,
-                               args.metrics_listen)
+    site = args.cluster.site(args.site)
+    service = PrefillService(site.name, site.kvstore, tokenizer(args.cluster))
+    await serve_engine_service("prefill", prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name,
+                               service, prefill_pb2_grpc.add_PrefillServicer_to_server, args)
 
 
 if __name__ == "__main__":
-    args = engine_args("ember.services.prefill")
+    args = service_args("prefill")
     run_service(lambda: main(args), "prefill")

@@ -1,48 +1,37 @@
-"""python -m ember.services.router --config CLUSTER.yaml"""
+"""ember serve router --config CLUSTER.yaml  (or python -m ember.services.router ...)"""
 from __future__ import annotations
 
-import argparse
-import json
-
 from ember.cluster.wan import parse_routes
-from ember.kv.block_hash import KVLayout, root_hash
+from ember.config.derived import model_facts
+from ember.config.services import router_settings
+from ember.kv.block_hash import root_hash
 from ember.kv.directory import MemoryDirectory, RedisDirectory
-from ember.model.files import folder_fingerprint, model_folder, resolve_serving, weights_fingerprint
 from ember.model.tokenizer import Tokenizer
 from ember.placement.policy import Placer
 from ember.rpc import metrics
 from ember.rpc.directory import DirectoryService
 from ember.rpc.server import Server, run_service
-from ember.v1 import directory_pb2_grpc, router_pb2, router_pb2_grpc
-from ember.services.common import REPO_ROOT, load
+from ember.services.common import service_args
 from ember.services.router import openai_http
 from ember.services.router.service import RouterService
 from ember.services.router.stubs import SiteStubs
+from ember.v1 import directory_pb2_grpc, router_pb2, router_pb2_grpc
 
 
 async def main(args) -> None:
-    config = load(args)
-    folder = model_folder(config.model_path(REPO_ROOT))  # the loaders' HF-layout folder (torch-free read)
-    dtype, weights = resolve_serving(config.model_path(REPO_ROOT), config.engine.dtype, config.engine.weights)
-    hf_config = json.loads((folder / "config.json").read_text())
+    config, s = args.cluster, router_settings(args.cluster)
+    model = model_facts(config)  # the KV layout every engine of the cluster writes, read from the model's files
     # Redis when configured; otherwise this router hosts an in-memory directory the kvstores publish to
-    directory = RedisDirectory(config.directory, config.directory_ttl_s) if config.directory \
-        else MemoryDirectory(config.directory_ttl_s)
+    directory = RedisDirectory(s.directory, s.directory_ttl_s) if s.directory else MemoryDirectory(s.directory_ttl_s)
     service = RouterService(
-        Tokenizer.from_folder(folder), model_id=folder.name.removesuffix(".ember"),
-        max_model_len=hf_config["max_position_embeddings"], vocab_size=hf_config["vocab_size"],
-        placer=Placer(config), stubs=SiteStubs(config, parse_routes(args.route)),
-        block_size=config.engine.block_size, root_hash=root_hash(KVLayout(
-            weights_fingerprint(folder_fingerprint(folder), weights), dtype,
-            config.engine.block_size, hf_config["num_hidden_layers"],
-            hf_config.get("num_key_value_heads", hf_config["num_attention_heads"]), hf_config.get("head_dim") or
-            hf_config["hidden_size"] // hf_config["num_attention_heads"])),
-        directory=directory)
-    server = Server(config.router, [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name])
+        Tokenizer.from_folder(model.folder), model_id=model.model_id, max_model_len=model.max_model_len,
+        vocab_size=model.vocab_size, placer=Placer(config), stubs=SiteStubs(config, parse_routes(args.route)),
+        block_size=model.kv_layout.block_size, root_hash=root_hash(model.kv_layout), directory=directory)
+    server = Server(s.listen, [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name])
     router_pb2_grpc.add_RouterServicer_to_server(service, server.server)
     if isinstance(directory, MemoryDirectory):
         directory_pb2_grpc.add_BlockDirectoryServicer_to_server(DirectoryService(directory), server.server)
-    http = await openai_http.serve(service, config.router_http) if config.router_http else None
+    http = await openai_http.serve(service, s.http) if s.http else None
     metrics.serve(args.metrics_listen)
 
     async def stop():
@@ -53,10 +42,5 @@ async def main(args) -> None:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(prog="ember.services.router")
-    p.add_argument("--config", required=True)
-    p.add_argument("--metrics-listen", help="HOST:PORT serving Prometheus /metrics")
-    p.add_argument("--route", action="append", default=[], metavar="ADDRESS=RELAY",
-                   help="reach ADDRESS through RELAY (an emulated link); repeatable")
-    args = p.parse_args()
+    args = service_args("router")
     run_service(lambda: main(args), "router")

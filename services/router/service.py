@@ -17,8 +17,8 @@ from ember.placement.policy import Load, NoCapacity, Placer, Request
 from ember.rpc import logs, metrics, tracing
 from ember.rpc.convert import sampling_from_pb, sampling_to_pb
 from ember.rpc.errors import RpcError
-from ember.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc
 from ember.services.router.stubs import SiteStubs
+from ember.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger("ember.router")
 DIRECTORY_TIMEOUT_S = 0.5

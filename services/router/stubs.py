@@ -2,7 +2,7 @@
 the emulated link when one is configured (`routes`: true address -> relay address)."""
 from __future__ import annotations
 
-from ember.placement.config import ClusterConfig
+from ember.config.schema import ClusterConfig
 from ember.rpc.server import channel
 from ember.v1 import decode_pb2_grpc, prefill_pb2_grpc
 
