@@ -21,7 +21,8 @@ from pathlib import Path
 
 from ember.bench.agentic_workload import Session
 
-LLAMA_SERVER = Path(__file__).resolve().parents[2] / "third_party" / "llama.cpp" / "bin" / "llama-server"
+# built by scripts/build-llama-server.sh into the checkout (run the bench from its root), or anywhere else
+LLAMA_SERVER = Path(os.environ.get("EMBER_LLAMA_SERVER", "third_party/llama.cpp/bin/llama-server")).resolve()
 
 
 @dataclass
@@ -125,7 +126,7 @@ class EmberColocated:
         from ember.engine.config import EngineConfig
         from ember.engine.engine import LLMEngine
         from ember.serving.engine_client import InProcessEngineClient
-        self.engine = InProcessEngineClient(LLMEngine(EngineConfig(model=model, weights=weights, num_threads=threads)))
+        self.engine = InProcessEngineClient(LLMEngine(EngineConfig(model=model, weights=weights, threads=threads)))
 
     async def tiers(self) -> dict[str, float]:
         t = self.engine.core.tiers
