@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from ember.client import RouterClient
-from ember.cluster.launcher import REPO_ROOT, running, wait_serving
+from ember.cluster.launcher import running, wait_serving
 from ember.engine.sampling_params import SamplingParams
 from ember.kv import wire
 from ember.kv.block_hash import chain_hashes
@@ -223,7 +223,7 @@ def router_process(config_path, address: str):
     log = config_path.with_suffix(".log")
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "ember.services.router", "--config", str(config_path)],
-                                cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+                                cwd=config_path.parent, stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_serving(address, time.monotonic() + 60, proc, log)
         yield proc
@@ -245,12 +245,11 @@ def test_router_with_a_dead_prefill_answers_unavailable_not_a_hang(tmp_path, mod
 
 def test_sigterm_drains_in_flight_streams_then_exits(cluster, tmp_path, engine):
     config = yaml.safe_load(open(cluster["config"]))
-    config["router"] = f"127.0.0.1:{free_port()}"  # a second router in front of the same cluster
-    config.pop("router_http", None)  # (the first one holds the HTTP port)
-    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(config))
-    with router_process(tmp_path / "cluster.yaml", config["router"]) as proc:
+    config["router"] = {"listen": f"127.0.0.1:{free_port()}"}  # a second router in front of the same cluster
+    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(config))  # (no HTTP: the first one holds its port)
+    with router_process(tmp_path / "cluster.yaml", config["router"]["listen"]) as proc:
         ids = engine.tokenizer.encode(PROMPTS[2])
-        with RouterClient(config["router"]) as c:
+        with RouterClient(config["router"]["listen"]) as c:
             stream = c.stream(token_ids=ids, max_tokens=30, ignore_eos=True, timeout=60)
             tokens = list(next(stream).token_ids)
             proc.send_signal(signal.SIGTERM)  # mid-stream
@@ -281,20 +280,25 @@ def test_one_request_is_one_trace_across_all_four_services(client, cluster, engi
     services = {s["service"] for s in trace}
     assert {"router", "prefill", "kvstore-central", "kvstore-edge", "decode"} <= services, services
     by_id = {s["span_id"]: s for s in trace}
-    assert root["parent_id"] is None and root["name"] == "Generate"
+    # span names are opentelemetry-instrumentation-grpc's: the full method, a SERVER span per
+    # call received and a CLIENT span per call made
+    assert root["parent_id"] is None and root["name"] == "/ember.v1.Router/Generate" and root["kind"] == "SERVER"
     for s in trace:
         if s["span_id"] != root["span_id"]:
             assert s["parent_id"] in by_id, f"{s['service']}:{s['name']} hangs off nothing in the trace"
-    named = {(s["service"], s["name"]): s for s in trace}
-    placement = named[("router", "placement")]["attributes"]
+    named = {(s["service"], s["name"], s["kind"]): s for s in trace}
+    placement = named[("router", "placement", "INTERNAL")]["attributes"]
     assert placement["ember.prefill_site"] == "central" and placement["ember.decode_site"] == "edge"
-    prefill = named[("prefill", "Prefill")]
-    assert prefill["parent_id"] == root["span_id"]
+    prefill = named[("prefill", "/ember.v1.Prefill/Prefill", "SERVER")]
+    call = named[("router", "/ember.v1.Prefill/Prefill", "CLIENT")]
+    assert prefill["parent_id"] == call["span_id"] and call["parent_id"] == root["span_id"]
     assert prefill["attributes"]["ember.tokens_computed"] + prefill["attributes"]["ember.tokens_cached"] == len(ids)
-    pull = named[("kvstore-edge", "Pull")]
+    pull = named[("kvstore-edge", "/ember.v1.KVStore/Pull", "SERVER")]
     assert pull["attributes"]["ember.blocks_requested"] == len(ids) // 16 and "ember.codec" in pull["attributes"]
     assert by_id[pull["parent_id"]]["service"] == "decode", "decode's call to its kvstore is a child of decode"
-    decode = named[("decode", "Decode")]["attributes"]
+    decode_span = named[("decode", "/ember.v1.Decode/Decode", "SERVER")]
+    assert by_id[decode_span["parent_id"]]["parent_id"] == root["span_id"], "router -> Decode call -> decode"
+    decode = decode_span["attributes"]
     assert decode["ember.completion_tokens"] == 4 and decode["ember.tpot_s"] > 0
     assert root["attributes"]["ember.completion_tokens"] == 4
 

@@ -10,12 +10,17 @@ from tests.cluster_fixture import write_config
 
 
 @pytest.fixture(scope="module")
-def api(tmp_path_factory, model_path):
+def cluster(tmp_path_factory, model_path):
     run_dir = tmp_path_factory.mktemp("openai")
     addr = write_config(run_dir / "cluster.yaml")
     with running(run_dir / "cluster.yaml", run_dir, timeout_s=240):
-        yield openai.OpenAI(base_url=f"http://{addr['router_http']}/v1", api_key="unused", max_retries=0,
-                            timeout=120)
+        yield addr | {"run_dir": run_dir}
+
+
+@pytest.fixture(scope="module")
+def api(cluster):
+    return openai.OpenAI(base_url=f"http://{cluster['router_http']}/v1", api_key="unused", max_retries=0,
+                         timeout=120)
 
 
 def local_chat(engine, messages, max_tokens):
@@ -80,8 +85,8 @@ def test_tools_reach_the_chat_template(model_path):
 
     from ember.model.files import model_folder
     from ember.model.tokenizer import Tokenizer
-    from ember.v1 import router_pb2
     from ember.services.router.service import RouterService
+    from ember.v1 import router_pb2
     base = Tokenizer.from_folder(model_folder(model_path))
     template = "{% for t in tools or [] %}TOOL:{{ t.function.name }};{% endfor %}{{ messages[-1].content }}"
     tokenizer = Tokenizer(base.backend, template, bos_token=base.bos_token, eos_token=base.eos_token)
@@ -98,3 +103,70 @@ def test_a_tools_request_is_accepted(api):
                                       max_tokens=4, tools=[{"type": "function", "function": {
                                           "name": "get_weather", "parameters": {"type": "object", "properties": {}}}}])
     assert out.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": [{"role": "user", "content": 42}], "max_tokens": 4}, "messages.0.content"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}, "max_tokens"),
+    ({"messages": [{"role": "user", "content": "hi"}], "temperature": "warm"}, "temperature"),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 2}, "n"),
+    ({"model": ""}, "messages"),
+    (b"this is not JSON", None),
+], ids=["wrong-type", "negative-max-tokens", "temperature-string", "n=2", "missing-messages", "not-json"])
+def test_bad_bodies_are_400_naming_the_field(cluster, body, param):
+    import json
+    import urllib.error
+    import urllib.request
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(f"http://{cluster['router_http']}/v1/chat/completions", data=raw,
+                                     headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(request, timeout=30)
+    assert e.value.code == 400
+    error = json.loads(e.value.read())["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param and error["message"]
+
+
+def test_a_bad_body_through_the_openai_client(api):
+    with pytest.raises(openai.BadRequestError) as e:
+        api.chat.completions.create(model="", messages=[{"role": "user", "content": "hi"}], max_tokens=0)
+    assert e.value.status_code == 400 and e.value.body["param"] == "max_tokens"
+
+
+def test_one_http_chat_request_is_one_trace(cluster, api):
+    """The HTTP request is the router's SERVER span (its trace context taken from `traceparent`),
+    and everything it causes, in every service, is in that trace."""
+    import json
+    import secrets
+    import time
+
+    from tests.conftest import LONG_TEXT
+    trace_id, caller = secrets.token_hex(16), secrets.token_hex(8)
+    messages = [{"role": "user", "content": "Trace this chat: " + LONG_TEXT[:400]}]
+    out = api.chat.completions.create(model="", messages=messages, max_tokens=4, extra_body={"ignore_eos": True},
+                                      extra_headers={"traceparent": f"00-{trace_id}-{caller}-01"})
+    assert out.usage.completion_tokens == 4
+
+    def spans():
+        return [s for f in cluster["run_dir"].glob("*.jsonl") for line in f.read_text().splitlines()
+                if (s := json.loads(line))["trace_id"] == trace_id]
+    deadline = time.monotonic() + 10
+    while not [s for s in spans() if s["kind"] == "SERVER" and s["name"] == "POST /v1/chat/completions"]:
+        assert time.monotonic() < deadline, "the router's HTTP span was not exported"
+        time.sleep(0.2)
+    time.sleep(0.5)  # the rest of the trace has ended by now; let the exporters' writes land
+    trace = spans()
+    [http] = [s for s in trace if s["kind"] == "SERVER" and s["name"] == "POST /v1/chat/completions"]
+    assert http["service"] == "router" and http["parent_id"] == caller
+    assert http["attributes"]["ember.completion_tokens"] == 4 and http["attributes"]["ember.request_id"]
+    assert {"router", "prefill", "kvstore-central", "kvstore-edge", "decode"} <= {s["service"] for s in trace}
+    by_id = {s["span_id"]: s for s in trace}
+    for s in trace:
+        if s is not http:
+            assert s["parent_id"] in by_id, f"{s['service']}:{s['name']} hangs off nothing in the trace"
+    named = {(s["service"], s["name"], s["kind"]): s for s in trace}
+    assert named[("router", "placement", "INTERNAL")]["parent_id"] == http["span_id"]
+    for service, method in (("prefill", "/ember.v1.Prefill/Prefill"), ("decode", "/ember.v1.Decode/Decode")):
+        call = named[("router", method, "CLIENT")]
+        assert call["parent_id"] == http["span_id"]
+        assert named[(service, method, "SERVER")]["parent_id"] == call["span_id"]
