@@ -96,10 +96,6 @@ def test_an_hf_folder_saved_by_transformers_loads_its_tensors(hf_saved_folder, h
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "ModelArgs.from_hf_config reads only a top-level rope_theta; transformers 5 save_pretrained writes "
-    "rope_parameters={'rope_theta': 100000.0, ...}, so Ember serves the folder with rope_theta=10000 "
-    "(remove this mark with the fix)"))
 def test_an_hf_folder_saved_by_transformers_generates_transformers_greedy_tokens(hf_saved_folder):
     import torch
     from transformers import AutoModelForCausalLM

@@ -14,7 +14,7 @@ FILLED_FROM = {("router", "site"): "placement.decode_site (else the first site)"
                ("placement", "policy"): "fixed: no regions configured",
                ("placement", "prefill_site"): "the only site with the prefill role",
                ("placement", "decode_site"): "the only site with the decode role",
-               ("region",): "the site's name", ("roles",): "the roles that have an address"}
+               ("roles",): "the roles that have an address"}
 
 
 def effective(config: ClusterConfig, path: str | Path) -> list[tuple[str, str, str]]:

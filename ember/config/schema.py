@@ -65,7 +65,6 @@ CPU_PROFILE = HardwareProfile(prefill_tokens_per_s=560, prefill_context_tokens=3
 
 class Site(Section):
     name: str
-    region: str = Field("", description="default: the site name")
     tier: Literal["central", "edge"] = Field("edge", description="central GPU region or edge site")
     roles: list[Literal["prefill", "decode", "kvstore"]] | None = Field(
         None, description="default: the roles that have an address")
@@ -82,8 +81,6 @@ class Site(Section):
 
     @model_validator(mode="after")
     def _roles_have_addresses(self):
-        if not self.region:
-            self.region = self.name
         if self.roles is None:
             self.roles = [r for r in ROLES if getattr(self, r)]
         for role in self.roles:

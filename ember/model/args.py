@@ -27,6 +27,9 @@ class ModelArgs:
     def from_hf_config(cls, cfg: dict) -> ModelArgs:
         if cfg.get("rope_scaling"):
             raise ValueError("rope_scaling is not supported yet; remove it from config.json or use another model")
+        rope = cfg.get("rope_parameters") or {}  # transformers >= 5 writes rope_theta here
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"rope_type {rope['rope_type']!r} is not supported yet (only 'default')")
         num_heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         return cls(
@@ -37,7 +40,7 @@ class ModelArgs:
             num_heads=num_heads,
             num_kv_heads=cfg.get("num_key_value_heads", num_heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
+            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
             max_position=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),

@@ -35,9 +35,9 @@ def cmd_config(args) -> int:
 
 
 def topology_table(config) -> str:
-    rows = [("site", "tier", "region", "roles", "hardware", "decode cap", "prefill tok/s")]
+    rows = [("site", "tier", "roles", "hardware", "decode cap", "prefill tok/s")]
     for s in config.sites:
-        rows.append((s.name, s.tier, s.region, ",".join(s.roles), s.hardware, str(config.decode_capacity(s.name)),
+        rows.append((s.name, s.tier, ",".join(s.roles), s.hardware, str(config.decode_capacity(s.name)),
                      f"{config.profile(s.name).prefill_tokens_per_s:g}"))
     lines = _table(rows)
     lines.append(f"\n{len(config.links)} links, policy {config.placement.policy!r}, router at {config.router.site}")
