@@ -20,11 +20,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=str(DEFAULT_MODEL_PATH), help="GGUF file or HF model folder")
     for name in ENGINE_FLAGS:
         field = EngineSettings.model_fields[name]
-        choices = typing.get_args(field.annotation) if typing.get_origin(field.annotation) is typing.Literal else None
-        kind = {"int": int, "float": float}.get(str(field.annotation).split(" ")[0].removeprefix("<class '")
-                                                .removesuffix("'>"), None)
-        if kind is None and not choices:
-            kind = float if "float" in str(field.annotation) else int
+        kinds = [a for a in (typing.get_args(field.annotation) or (field.annotation,)) if a is not type(None)]
+        if typing.get_origin(field.annotation) is typing.Literal:
+            choices, kind = kinds, str
+        else:
+            choices, kind = None, kinds[0]  # int or float (X | None: X)
         p.add_argument("--" + name.replace("_", "-"), default=field.default, choices=choices, type=kind,
                        help=f"{field.description} (default: {field.default})")
 

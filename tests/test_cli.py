@@ -25,3 +25,18 @@ def test_generate_chat_streams_the_engines_answer(engine):
 def test_generate_rejects_bad_params_with_a_clear_message():
     proc = run_cli("--temperature", "-1", "hi")
     assert proc.returncode == 2 and "temperature" in proc.stderr
+
+
+def test_engine_flags_are_the_engine_settings_names_and_defaults():
+    from ember.cli import ENGINE_FLAGS, build_parser, engine_settings
+    from ember.engine.config import EngineSettings
+    args = build_parser().parse_args(["generate", "hi"])
+    assert engine_settings(args) == EngineSettings().model_dump(include=set(ENGINE_FLAGS))
+    assert set(ENGINE_FLAGS) == set(EngineSettings.model_fields), "every engine setting has its flag"
+    args = build_parser().parse_args(["generate", "hi", "--kv-cache-mb", "64", "--dtype", "bfloat16"])
+    assert EngineSettings(**engine_settings(args)).kv_cache_mb == 64
+
+
+def test_generate_names_a_bad_engine_setting():
+    proc = run_cli("--block-size", "12", "hi")
+    assert proc.returncode == 2 and "block_size" in proc.stderr
