@@ -10,7 +10,7 @@ COPY ember ./ember
 COPY services ./services
 COPY configs ./configs
 RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu . \
- && rm -rf /src \
+ && cd / && rm -rf /src \
  && ember fetch-model
 WORKDIR /
 EXPOSE 50051 8000 9100
