@@ -19,6 +19,8 @@ def service_parser(role: str) -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="cluster YAML")
     if role != "router":
         p.add_argument("--site", required=True, help="which site's " + role + " this process is")
+    if role in ("prefill", "decode"):
+        p.add_argument("--worker", type=int, default=0, help="which of the site's workers (0: the first)")
     p.add_argument("--metrics-listen", help="HOST:PORT serving Prometheus /metrics")
     p.add_argument("--route", action="append", default=[], metavar="ADDRESS=RELAY",
                    help="reach ADDRESS through RELAY (an emulated link; `ember up` sets these); repeatable")
@@ -58,7 +60,10 @@ async def serve_engine_service(role: str, service_name: str, service, add_to_ser
     from ember.rpc import metrics
     from ember.rpc.server import Server
     from ember.serving.engine_client import SubprocessEngineClient
-    settings, engine = engine_settings(args.cluster, role, args.site)
+    try:
+        settings, engine = engine_settings(args.cluster, role, args.site, args.worker)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from e
     server = Server(settings.listen, [service_name])
     add_to_server(service, server.server)
     metrics.serve(args.metrics_listen)

@@ -49,12 +49,12 @@ def settings_of(argv: list[str], config_file: Path) -> tuple[str, dict]:
         role, rest = argv[2].removeprefix("ember.services."), argv[3:]
     args = service_parser(role).parse_args(rest)
     site = getattr(args, "site", None)
-    return role, service_settings(load_config(config_file), role, site) | {"site": site}
+    return role, service_settings(load_config(config_file), role, site, getattr(args, "worker", 0)) | {"site": site}
 
 
 def expected() -> dict[str, dict]:
     c = config()
-    return {s.name: service_settings(c, s.role, s.site) | {"site": s.site} for s in services(c)}
+    return {s.name: service_settings(c, s.role, s.site, s.worker) | {"site": s.site} for s in services(c)}
 
 
 # -- Compose ----------------------------------------------------------------------------
@@ -192,7 +192,7 @@ def test_a_changed_setting_reaches_only_the_services_that_read_it(tmp_path):
     raw["kvstore"]["capacity_mb"] = 77
     raw["engine"]["decode"] = {"max_num_seqs": 5}
     edited = config_from_dict(raw, CLUSTER_YAML.parent)
-    before, after = expected(), {s.name: service_settings(edited, s.role, s.site) | {"site": s.site}
+    before, after = expected(), {s.name: service_settings(edited, s.role, s.site, s.worker) | {"site": s.site}
                                  for s in services(edited)}
     changed = {n for n in before if before[n] != after[n]}
     assert changed == {"kvstore-central", "kvstore-edge", "decode-edge"}

@@ -47,7 +47,7 @@ class _Ports:
 
     def __init__(self, config: ClusterConfig):
         addresses = [config.router.listen, config.router.http] + [
-            getattr(s, f) for s in config.sites for f in ("prefill", "decode", "kvstore", "kvstore_data")]
+            a for s in config.sites for a in [s.kvstore, s.kvstore_data, *s.prefill, *s.decode]]
         self.taken = {int(a.rsplit(":", 1)[1]) for a in addresses if a}
 
     def address(self) -> str:
@@ -73,8 +73,8 @@ def emulated_links(config: ClusterConfig, ports: _Ports | None = None) -> tuple[
         relays.append({"listen": listen, "target": target, "rtt_ms": link.rtt_ms, "gbps": link.bandwidth_gbps})
         routes.setdefault(user, []).append(f"{target}={listen}")
     for site in config.sites:
-        relay(config.router.site, site.name, site.prefill, "router")
-        relay(config.router.site, site.name, site.decode, "router")
+        for worker in site.prefill + site.decode:
+            relay(config.router.site, site.name, worker, "router")
         for peer in config.sites:  # kvstore at `site` pulling from `peer`
             if peer.name != site.name and site.has("kvstore"):
                 relay(site.name, peer.name, peer.kvstore, f"kvstore-{site.name}")
@@ -94,8 +94,7 @@ def service_commands(config: ClusterConfig, config_path: Path, run_dir: Path | N
         spec.write_text(json.dumps(relays, indent=1))
         commands["links"] = ([py, "-m", "ember.cluster.wan", "--spec", str(spec)], None)
     for svc in services(config):
-        argv = [py, "-m", f"ember.services.{svc.role}", "--config", cfg]
-        argv += ["--site", svc.site] if svc.site else []
+        argv = [py, "-m", f"ember.services.{svc.role}", "--config", cfg, *svc.args()]
         argv += [a for r in routes.get(svc.name, []) for a in ("--route", r)]
         argv += ["--metrics-listen", ports.address()]  # every gRPC service also serves Prometheus /metrics
         commands[svc.name] = (argv, svc.address)
@@ -158,9 +157,9 @@ def up(config_path: str | Path | None = None, run_dir: str | Path | None = None,
                 procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir, env=env,
                                                start_new_session=True)
             (run_dir / "pids.json").write_text(json.dumps({n: p.pid for n, p in procs.items()}))
-        (run_dir / "services.json").write_text(json.dumps(  # for `ember status` and tests
+        (run_dir / "services.json").write_text(json.dumps(  # for `ember status`, restarts and tests
             {n: {"address": a, "metrics": argv[argv.index("--metrics-listen") + 1] if "--metrics-listen" in argv
-                 else None} for n, (argv, a) in commands.items()}, indent=1))
+                 else None, "argv": argv} for n, (argv, a) in commands.items()}, indent=1))
         deadline = time.monotonic() + timeout_s
         for name, (_, address) in commands.items():
             if address is not None:

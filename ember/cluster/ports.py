@@ -64,9 +64,14 @@ def on_free_ports(source: Path, path: Path, model: str | None = None) -> dict:
         if key == "listen" or router.get(key):
             router[key] = fresh()
     for site in config.get("sites", []):
-        for key in ("prefill", "decode", "kvstore", "kvstore_data"):
+        for key in ("kvstore", "kvstore_data"):
             if site.get(key):
                 site[key] = fresh()
+        for key in ("prefill", "decode"):  # one worker or a pool
+            if isinstance(site.get(key), str):
+                site[key] = fresh()
+            elif site.get(key):
+                site[key] = [fresh() for _ in site[key]]
     ref = model or config.get("model")
     if ref and ref not in MODELS and not Path(ref).is_absolute():
         ref = str((Path(source).resolve().parent / ref).resolve())

@@ -73,18 +73,29 @@ class Site(Section):
                                                          "max_batch")
     kvstore: str | None = Field(None, description="HOST:PORT of the site's kvstore (gRPC)")
     kvstore_data: str | None = Field(None, description="HOST:PORT of its TCP data plane for bulk block moves")
-    prefill: str | None = Field(None, description="HOST:PORT of the site's prefill service")
-    decode: str | None = Field(None, description="HOST:PORT of the site's decode service")
+    prefill: list[str] = Field([], description="HOST:PORT of each prefill worker of the site (one, or a list)")
+    decode: list[str] = Field([], description="HOST:PORT of each decode worker of the site (one, or a list)")
 
-    _check = field_validator("kvstore", "kvstore_data", "prefill", "decode")(
-        lambda cls, v: v if v is None else _address(v))
+    _check = field_validator("kvstore", "kvstore_data")(lambda cls, v: v if v is None else _address(v))
+
+    @field_validator("prefill", "decode", mode="before")
+    @classmethod
+    def _workers(cls, v):
+        workers = [v] if isinstance(v, str) else v
+        if isinstance(workers, list):
+            for w in workers:
+                if isinstance(w, str):
+                    _address(w)
+            if len(set(workers)) != len(workers):
+                raise ValueError(f"worker addresses must be unique, got {workers}")
+        return workers
 
     @model_validator(mode="after")
     def _roles_have_addresses(self):
         if self.roles is None:
             self.roles = [r for r in ROLES if getattr(self, r)]
         for role in self.roles:
-            if getattr(self, role) is None:
+            if not getattr(self, role):
                 raise ValueError(f"site {self.name!r} has role {role!r} but no {role!r} address: add "
                                  f"`{role}: HOST:PORT` or drop the role")
         if ("prefill" in self.roles or "decode" in self.roles) and "kvstore" not in self.roles:
@@ -94,6 +105,10 @@ class Site(Section):
 
     def has(self, role: str) -> bool:
         return role in self.roles
+
+    def workers(self, role: str) -> list[str]:
+        """The addresses of the site's `role` workers (prefill, decode), in order."""
+        return list(getattr(self, role))
 
 
 class Link(Section):
@@ -118,6 +133,11 @@ class RouterSection(Section):
     http: str | None = Field(None, description="HOST:PORT of the OpenAI-compatible HTTP API; unset: off")
     site: str | None = Field(None, description="where the router runs (for emulated links); default: "
                                                "placement.decode_site, else the first site")
+    max_inflight: int = Field(256, gt=0, description="requests admitted at once; past it: RESOURCE_EXHAUSTED with "
+                                                     "grpc-retry-pushback-ms (HTTP 429 with Retry-After)")
+    retry_after_s: float = Field(1.0, gt=0, description="the pushback a refused request is given")
+    max_migrations: int = Field(2, ge=0, description="times one decode stream may move to another worker after "
+                                                     "its worker failed")
 
     _check = field_validator("listen", "http")(lambda cls, v: v if v is None else _address(v))
 

@@ -10,10 +10,19 @@ from ember.config.schema import ENGINE_ROLES, ClusterConfig
 
 @dataclass(frozen=True)
 class ServiceSpec:
-    name: str            # router, prefill-<site>, decode-<site>, kvstore-<site>
+    name: str            # router, kvstore-<site>, <role>-<site> (one worker) or <role>-<site>-<i> (a pool)
     role: str            # router, prefill, decode, kvstore
     site: str | None     # None for the router
     address: str         # where it serves gRPC
+    worker: int = 0      # which of the site's `role` workers (`--worker`)
+
+    def args(self) -> list[str]:
+        """Its flags after `ember serve ROLE --config FILE`."""
+        return (["--site", self.site] if self.site else []) + (["--worker", str(self.worker)] if self.worker else [])
+
+
+def worker_name(role: str, site: str, worker: int, pool_size: int) -> str:
+    return f"{role}-{site}" if pool_size == 1 else f"{role}-{site}-{worker}"
 
 
 def services(config: ClusterConfig) -> list[ServiceSpec]:
@@ -24,7 +33,9 @@ def services(config: ClusterConfig) -> list[ServiceSpec]:
             out.append(ServiceSpec(f"kvstore-{site.name}", "kvstore", site.name, site.kvstore))
     for role in ENGINE_ROLES:
         for site in config.engine_sites(role):
-            out.append(ServiceSpec(f"{role}-{site.name}", role, site.name, getattr(site, role)))
+            pool = site.workers(role)
+            out += [ServiceSpec(worker_name(role, site.name, i, len(pool)), role, site.name, address, i)
+                    for i, address in enumerate(pool)]
     out.append(ServiceSpec("router", "router", None, config.router.listen))
     return out
 
@@ -45,6 +56,7 @@ class KVStoreSettings:
 class EngineServiceSettings:
     role: str
     site: str
+    worker: int
     listen: str
     kvstore: str
     shared_memory: bool
@@ -56,6 +68,9 @@ class RouterSettings:
     listen: str
     http: str | None
     site: str
+    max_inflight: int
+    retry_after_s: float
+    max_migrations: int
     model: str
     directory: str | None    # Redis URL; None: the router hosts the in-memory directory
     directory_ttl_s: float
@@ -70,28 +85,31 @@ def kvstore_settings(config: ClusterConfig, site_name: str) -> KVStoreSettings:
                            k.shm_socket if k.shared_memory else "", config.directory_url(), config.directory.ttl_s)
 
 
-def engine_settings(config: ClusterConfig, role: str, site_name: str):
-    """(EngineServiceSettings, EngineConfig) of the `role` engine at `site_name`."""
+def engine_settings(config: ClusterConfig, role: str, site_name: str, worker: int = 0):
+    """(EngineServiceSettings, EngineConfig) of `role` worker number `worker` at `site_name`."""
     from ember.engine.config import EngineConfig
     site = config.site(site_name)
     if not site.has(role):
         raise ValueError(f"site {site_name!r} has no {role} role")
+    pool = site.workers(role)
+    if not 0 <= worker < len(pool):
+        raise ValueError(f"site {site_name!r} has {len(pool)} {role} worker(s); --worker {worker} is not one")
     engine = EngineConfig(model=str(config.model_path()), **config.engine.for_role(role).model_dump())
-    settings = EngineServiceSettings(role, site.name, getattr(site, role), site.kvstore,
+    settings = EngineServiceSettings(role, site.name, worker, pool[worker], site.kvstore,
                                      config.kvstore.shared_memory, engine.model_dump())
     return settings, engine
 
 
 def router_settings(config: ClusterConfig) -> RouterSettings:
     r = config.router
-    return RouterSettings(r.listen, r.http, r.site, str(config.model_path()), config.directory.url,
-                          config.directory.ttl_s)
+    return RouterSettings(r.listen, r.http, r.site, r.max_inflight, r.retry_after_s, r.max_migrations,
+                          str(config.model_path()), config.directory.url, config.directory.ttl_s)
 
 
-def service_settings(config: ClusterConfig, role: str, site: str | None = None) -> dict:
+def service_settings(config: ClusterConfig, role: str, site: str | None = None, worker: int = 0) -> dict:
     """The effective settings of one service, as a plain dict (what deploy tests compare)."""
     if role == "router":
         return asdict(router_settings(config))
     if role == "kvstore":
         return asdict(kvstore_settings(config, site))
-    return asdict(engine_settings(config, role, site)[0])
+    return asdict(engine_settings(config, role, site, worker)[0])

@@ -18,9 +18,15 @@ log = logging.getLogger("ember.rpc")
 class RpcError(Exception):
     """Raise from a servicer to answer with a specific status."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    def __init__(self, code: grpc.StatusCode, message: str, retry_after_s: float | None = None):
         super().__init__(message)
         self.code = code
+        self.retry_after_s = retry_after_s  # RESOURCE_EXHAUSTED: when to come back (grpc-retry-pushback-ms)
+
+    def trailing_metadata(self) -> tuple:
+        if self.retry_after_s is None:
+            return ()
+        return (("grpc-retry-pushback-ms", str(max(1, int(self.retry_after_s * 1000)))),)
 
 
 def require_ready(engine) -> None:
@@ -74,7 +80,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 log.info("%s -> %s: %s", method, code.name, message)
             tracing.annotate(status_code=code.name)
             trace.get_current_span().set_status(trace.Status(trace.StatusCode.ERROR, message))
-            await context.abort(code, message)
+            trailing = exc.trailing_metadata() if isinstance(exc, RpcError) else ()
+            await context.abort(code, message, trailing_metadata=trailing)
 
         def wrap_unary(fn):
             async def wrapped(request, context):

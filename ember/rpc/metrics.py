@@ -20,6 +20,8 @@ REQUEST_SUCCESS = Counter("ember:request_success", "Finished requests", ["finish
 PROMPT_TOKENS = Counter("ember:prompt_tokens", "Prompt tokens received")
 GENERATION_TOKENS = Counter("ember:generation_tokens", "Tokens generated")
 PLACEMENTS = Counter("ember:placements", "Placement decisions", ["prefill_site", "decode_site"])
+MIGRATIONS = Counter("ember:decode_migrations", "Decode streams moved to another worker after one failed")
+REJECTED = Counter("ember:requests_rejected", "Requests refused at admission (RESOURCE_EXHAUSTED with pushback)")
 # every service
 RPC_ERRORS = Counter("ember:request_errors", "Calls that ended in an error, by gRPC status", ["method", "code"])
 # engine services (prefill, decode)

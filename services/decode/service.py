@@ -26,14 +26,20 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
     async def Decode(self, request, context):
         require_ready(self.engine)
         params = sampling_from_pb(request.sampling)
-        if params.max_tokens < 2:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "sampling.max_tokens must be >= 2 for decode "
-                           "(it counts the first token, which prefill already produced)")
         info = self.engine.info
-        if not 0 <= request.first_token < info.vocab_size:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
-                           f"first_token {request.first_token} is outside the vocabulary [0, {info.vocab_size})")
         prompt, wanted = list(request.prompt_token_ids), list(request.block_hashes)
+        # what the client has already: nothing (decode-only fallback), the prefill's first token,
+        # or everything a failed decode worker streamed before it died (a migrated stream)
+        prefix = [] if request.prefill_here else list(request.output_prefix) or [request.first_token]
+        if not prompt:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
+        bad = next((t for t in prompt + prefix if t >= info.vocab_size), None)
+        if bad is not None:
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"token id {bad} is outside the vocabulary [0, {info.vocab_size})")
+        if params.max_tokens <= len(prefix):
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.max_tokens ({params.max_tokens}) must exceed "
+                           f"the {len(prefix)} token(s) already generated (it counts them)")
         if wanted != chain_hashes(prompt, info.block_size, info.root_hash)[:len(wanted)]:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "block_hashes are not this prompt's leading blocks "
                            "as this decode server hashes them: the model, KV dtype or block size differ")
@@ -42,7 +48,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                       max_blocks=len(wanted) if request.source_kvstore else None)
         first, first_at = True, time.perf_counter()
         async for out in self.engine.generate(prompt, params, request.request_id, plan=plan,
-                                              output_prefix=[request.first_token],
+                                              output_prefix=prefix,
                                               timeout_s=context.time_remaining()):
             msg = decode_pb2.DecodeResponse(token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
                                             finish_reason=out.finish_reason or "",
@@ -51,8 +57,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                 kv = out.kv
                 msg.transfer_s = kv.transfer_s
                 msg.blocks_pulled, msg.bytes_pulled = kv.blocks_pulled, kv.bytes_pulled
-                msg.recomputed_tokens = len(prompt) + 1 - out.cached_tokens
-                metrics.PREFIX_QUERIES.inc(len(prompt) + 1)
+                msg.recomputed_tokens = max(0, len(prompt) + len(prefix) - out.cached_tokens)
+                metrics.PREFIX_QUERIES.inc(len(prompt) + len(prefix))
                 metrics.PREFIX_HITS.inc(out.cached_tokens)
                 tracing.annotate(prompt_tokens=len(prompt), blocks_in_pool=kv.blocks_l1, blocks_imported=kv.blocks_l2,
                                  blocks_pulled=kv.blocks_pulled, bytes_pulled=kv.bytes_pulled,

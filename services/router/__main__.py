@@ -14,7 +14,7 @@ from ember.rpc.server import Server, run_service
 from ember.services.common import service_args
 from ember.services.router import openai_http
 from ember.services.router.service import RouterService
-from ember.services.router.stubs import SiteStubs
+from ember.services.router.workers import WorkerPool
 from ember.v1 import directory_pb2_grpc, router_pb2, router_pb2_grpc
 
 
@@ -23,18 +23,22 @@ async def main(args) -> None:
     model = model_facts(config)  # the KV layout every engine of the cluster writes, read from the model's files
     # Redis when configured; otherwise this router hosts an in-memory directory the kvstores publish to
     directory = RedisDirectory(s.directory, s.directory_ttl_s) if s.directory else MemoryDirectory(s.directory_ttl_s)
+    workers = WorkerPool(config, parse_routes(args.route))
     service = RouterService(
         Tokenizer.from_folder(model.folder), model_id=model.model_id, max_model_len=model.max_model_len,
-        vocab_size=model.vocab_size, placer=Placer(config), stubs=SiteStubs(config, parse_routes(args.route)),
-        block_size=model.kv_layout.block_size, root_hash=root_hash(model.kv_layout), directory=directory)
+        vocab_size=model.vocab_size, placer=Placer(config), workers=workers,
+        block_size=model.kv_layout.block_size, root_hash=root_hash(model.kv_layout), directory=directory,
+        max_inflight=s.max_inflight, max_migrations=s.max_migrations, retry_after_s=s.retry_after_s)
     server = Server(s.listen, [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name])
     router_pb2_grpc.add_RouterServicer_to_server(service, server.server)
     if isinstance(directory, MemoryDirectory):
         directory_pb2_grpc.add_BlockDirectoryServicer_to_server(DirectoryService(directory), server.server)
     http = await openai_http.serve(service, s.http) if s.http else None
     metrics.serve(args.metrics_listen)
+    workers.start()
 
     async def stop():
+        await workers.close()
         if http is not None:
             await http.cleanup()
         await directory.close()

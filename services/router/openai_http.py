@@ -9,6 +9,7 @@ openai client): `user_region`, `session_id`, `top_k`, `ignore_eos`.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 import uuid
@@ -39,9 +40,11 @@ HTTP_STATUS = {
 }
 
 
-def error_response(status: int, kind: str, message: str, param: str | None = None) -> web.Response:
+def error_response(status: int, kind: str, message: str, param: str | None = None,
+                   retry_after_s: float | None = None) -> web.Response:
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s is not None else None
     return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                             status=status)
+                             status=status, headers=headers)
 
 
 class _Deadline:
@@ -139,7 +142,7 @@ class OpenAIApp:
             code, message = status_for(e)
             status, kind = HTTP_STATUS.get(code, (500, "server_error"))
             if response is None:
-                return error_response(status, kind, message)
+                return error_response(status, kind, message, retry_after_s=getattr(e, "retry_after_s", None))
             await self._send(response, {"error": {"message": message, "type": kind, "param": None, "code": None}})
             await response.write_eof()
             return response

@@ -1,10 +1,20 @@
-"""Router servicer: the public API. Tokenize, place, prefill, stream the first token at
-once, then relay decode's stream; the last message carries usage, timings, placement."""
+"""Router servicer: the public API. Admit, tokenize, place, prefill, stream the first token at
+once, then relay decode's stream; the last message carries usage, timings, placement.
+
+Recovery (ember.services.router.workers keeps who is live): a prefill worker that fails is
+replaced by another live one at its site, else the decode worker prefills itself (decode-only
+fallback); a decode stream that breaks moves to another live decode worker with the tokens
+already sent as its output prefix and the same seed (fixed here when the client gave none), so
+it continues token for token; the client sees neither the failure nor a duplicate. Admission
+is bounded: past `router.max_inflight` a request is refused at once with RESOURCE_EXHAUSTED and
+`grpc-retry-pushback-ms`."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
+import random
 import time
 import uuid
 
@@ -17,7 +27,7 @@ from ember.placement.policy import Load, NoCapacity, Placer, Request
 from ember.rpc import logs, metrics, tracing
 from ember.rpc.convert import sampling_from_pb, sampling_to_pb
 from ember.rpc.errors import RpcError
-from ember.services.router.stubs import SiteStubs
+from ember.services.router.workers import Worker, WorkerPool
 from ember.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc
 
 log = logging.getLogger("ember.router")
@@ -29,14 +39,26 @@ def invalid(message: str) -> RpcError:
     return RpcError(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
+def unavailable(message: str) -> RpcError:
+    return RpcError(grpc.StatusCode.UNAVAILABLE, message)
+
+
+def worker_failed(e: grpc.aio.AioRpcError) -> bool:
+    """A call failure that says the worker (or its engine) is gone, not that the request is bad."""
+    return e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
+
+
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, tokenizer: Tokenizer, model_id: str, max_model_len: int, vocab_size: int,
-                 placer: Placer, stubs: SiteStubs, block_size: int, root_hash: bytes, directory: BlockDirectory):
+                 placer: Placer, workers: WorkerPool, block_size: int, root_hash: bytes, directory: BlockDirectory,
+                 max_inflight: int = 256, max_migrations: int = 2, retry_after_s: float = 1.0):
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self.placer, self.stubs = placer, stubs
+        self.placer, self.workers = placer, workers
+        self.max_inflight, self.max_migrations, self.retry_after_s = max_inflight, max_migrations, retry_after_s
+        self.inflight = 0  # admitted requests not finished yet, counted at admission
         self.load = Load()  # this router's view: prefill work in flight, decodes running, per site
         self.block_size, self.root_hash = block_size, root_hash
         self.directory, self.sites = directory, [s.name for s in placer.config.sites]
@@ -88,6 +110,19 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return ids
 
     async def Generate(self, request, context):
+        if self.inflight >= self.max_inflight:  # counted at admission: a burst cannot slip past
+            metrics.REJECTED.inc()
+            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the router is at its admission limit "
+                           f"({self.max_inflight} requests in flight); retry after {self.retry_after_s:g} s",
+                           retry_after_s=self.retry_after_s)
+        self.inflight += 1
+        try:
+            async for msg in self._generate(request, context):
+                yield msg
+        finally:
+            self.inflight -= 1
+
+    async def _generate(self, request, context):
         received = time.perf_counter()
         if request.model and request.model != self.model_id:
             raise invalid(f"model {request.model!r} is not served here; use {self.model_id!r} (see ListModels)")
@@ -95,6 +130,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             params = sampling_from_pb(request.sampling)
         except ValueError as e:
             raise invalid(f"sampling: {e}") from e
+        if params.seed is None:  # fixed here, so a migrated or failed-over stream samples the same tokens
+            params = dataclasses.replace(params, seed=random.getrandbits(63))
         prompt = self._prompt(request)
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise invalid(f"input ({len(prompt)} tokens) + sampling.max_tokens ({params.max_tokens}) exceeds the "
@@ -113,78 +150,158 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 decision = self.placer.place(Request(len(prompt), params.max_tokens, request.user_region or None,
                                                      cached, request.session_id), self.load)
             except NoCapacity as e:
-                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from e
+                raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), retry_after_s=self.retry_after_s) from e
             est = decision.estimate
             tracing.annotate(prefill_site=decision.prefill_site, decode_site=decision.decode_site,
                              reason=decision.reason, estimated_queue_s=est.queue_s, estimated_prefill_s=est.prefill_s,
                              estimated_link_s=est.link_s, uncached_tokens=est.uncached_tokens,
                              cached_blocks=json.dumps(cached), directory_s=directory_s)
         tracing.annotate(request_id=request_id, prompt_tokens=len(prompt), user_region=request.user_region)
-        log.info("%s: %s", request_id, decision.summary())
         placement = common_pb2.Placement(
             prefill_site=decision.prefill_site, decode_site=decision.decode_site, cached_blocks=cached,
             directory_s=directory_s, reason=decision.reason, estimated_queue_s=est.queue_s,
             estimated_prefill_s=est.prefill_s, estimated_link_s=est.link_s, uncached_tokens=est.uncached_tokens)
-        queue = self.load.prefill_queue_s
-        queue[decision.prefill_site] = queue.get(decision.prefill_site, 0.0) + est.prefill_s
-        try:
-            pre = await self.stubs.prefill(decision.prefill_site).Prefill(
-                prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=pb_params,
-                                           block_hashes=hashes), timeout=context.time_remaining())
-        finally:
-            queue[decision.prefill_site] = max(0.0, queue[decision.prefill_site] - est.prefill_s)
-        first_at = time.perf_counter()
-        metrics.TTFT.observe(first_at - received)
-        metrics.PROMPT_TOKENS.inc(len(prompt))
-        metrics.PLACEMENTS.labels(decision.prefill_site, decision.decode_site).inc()
-        usage = common_pb2.Usage(prompt_tokens=len(prompt), cached_tokens=pre.cached_tokens, completion_tokens=1)
-        timings = common_pb2.Timings(ttft_s=first_at - received, prefill_s=first_at - received)
-        first = router_pb2.GenerateResponse(request_id=request_id, token_ids=[pre.first_token], text=pre.first_text)
-        if pre.finished:
-            timings.e2e_s = timings.ttft_s
-            metrics.E2E.observe(timings.e2e_s)
-            metrics.GENERATION_TOKENS.inc(1)
-            metrics.REQUEST_SUCCESS.labels(pre.finish_reason).inc()
-            first.MergeFrom(router_pb2.GenerateResponse(finished=True, finish_reason=pre.finish_reason, usage=usage,
-                                                        timings=timings, placement=placement))
-            yield first
-            return
-        yield first  # the client sees the first token before decode starts
+        # a live decode worker first: never spend prefill on a dead decode site
+        decoder = await self._decode_worker(placement, ())
+        log.info("%s: %s", request_id, decision.summary())
+        usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=1)
+        timings = common_pb2.Timings()
+        decode_req = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=pb_params)
 
-        running = self.load.decode_running
-        running[decision.decode_site] = running.get(decision.decode_site, 0) + 1
-        stream = self.stubs.decode(decision.decode_site).Decode(decode_pb2.DecodeRequest(
-            request_id=request_id, prompt_token_ids=prompt, first_token=pre.first_token,
-            block_hashes=pre.block_hashes, source_kvstore=pre.kvstore_address, sampling=pb_params),
-            timeout=context.time_remaining())
-        try:
-            last = first_at
-            async for d in stream:
-                now = time.perf_counter()
-                if d.token_ids:
-                    metrics.INTER_TOKEN.observe(now - last)
-                    last = now
-                if d.transfer_s:
-                    timings.transfer_s = d.transfer_s
-                msg = router_pb2.GenerateResponse(request_id=request_id, token_ids=d.token_ids, text=d.text)
-                if d.finished:
-                    done = time.perf_counter()
-                    usage.completion_tokens = d.completion_tokens
-                    timings.decode_s = done - first_at
-                    timings.e2e_s = done - received
-                    timings.tpot_s = timings.decode_s / max(1, d.completion_tokens - 1)
-                    tracing.annotate(completion_tokens=d.completion_tokens, cached_tokens=usage.cached_tokens,
-                                     ttft_s=timings.ttft_s, tpot_s=timings.tpot_s, finish_reason=d.finish_reason)
-                    metrics.TPOT.observe(timings.tpot_s)
-                    metrics.E2E.observe(timings.e2e_s)
-                    metrics.GENERATION_TOKENS.inc(d.completion_tokens)
-                    metrics.REQUEST_SUCCESS.labels(d.finish_reason).inc()
-                    msg.MergeFrom(router_pb2.GenerateResponse(finished=True, finish_reason=d.finish_reason, usage=usage,
-                                                              timings=timings, placement=placement))
-                yield msg
-        finally:
-            # A client cancel or deadline cancels this handler; cancel the decode call
-            # explicitly too, so decode frees the sequence now rather than whenever the
-            # call object is collected.
-            stream.cancel()
-            running[decision.decode_site] -= 1
+        pre = await self._prefill(prompt, hashes, request_id, pb_params, placement, est.prefill_s, context)
+        emitted: list[int] = []
+        if pre is not None:
+            first_at = time.perf_counter()
+            metrics.TTFT.observe(first_at - received)
+            timings.ttft_s = timings.prefill_s = first_at - received
+            usage.cached_tokens = pre.cached_tokens
+            emitted = [pre.first_token]
+            first = router_pb2.GenerateResponse(request_id=request_id, token_ids=[pre.first_token],
+                                                text=pre.first_text)
+            decode_req.first_token = pre.first_token
+            decode_req.block_hashes[:] = pre.block_hashes
+            decode_req.source_kvstore = pre.kvstore_address
+            if pre.finished:
+                self._finished(timings, usage, received, first_at, 1, pre.finish_reason, placement, prompt)
+                first.MergeFrom(router_pb2.GenerateResponse(finished=True, finish_reason=pre.finish_reason,
+                                                            usage=usage, timings=timings, placement=placement))
+                yield first
+                return
+            yield first  # the client sees the first token before decode starts
+        else:
+            decode_req.prefill_here = True
+            first_at = None
+
+        failed: tuple[Worker, ...] = ()
+        last = time.perf_counter()
+        while True:
+            worker = decoder if decoder is not None else await self._decode_worker(placement, failed)
+            decoder = None
+            if emitted:  # a migrated stream: continue after what the client has
+                decode_req.output_prefix[:] = emitted
+                decode_req.prefill_here = False
+            stream = self.workers.stub(worker).Decode(decode_req, timeout=context.time_remaining())
+            site = worker.site
+            worker.running += 1
+            self.load.decode_running[site] = self.load.decode_running.get(site, 0) + 1
+            try:
+                async for d in stream:
+                    now = time.perf_counter()
+                    if d.token_ids:
+                        if first_at is None:  # decode-only fallback: its first token is the first token
+                            first_at = now
+                            timings.ttft_s = now - received
+                            metrics.TTFT.observe(timings.ttft_s)
+                            usage.cached_tokens = max(0, len(prompt) - d.recomputed_tokens)
+                        else:
+                            metrics.INTER_TOKEN.observe(now - last)
+                        last = now
+                        emitted += d.token_ids
+                    if d.transfer_s:
+                        timings.transfer_s = d.transfer_s
+                    msg = router_pb2.GenerateResponse(request_id=request_id, token_ids=d.token_ids, text=d.text)
+                    if d.finished:
+                        self._finished(timings, usage, received, first_at, d.completion_tokens, d.finish_reason,
+                                       placement, prompt)
+                        msg.MergeFrom(router_pb2.GenerateResponse(finished=True, finish_reason=d.finish_reason,
+                                                                  usage=usage, timings=timings, placement=placement))
+                    yield msg
+                return
+            except grpc.aio.AioRpcError as e:
+                if not worker_failed(e) or context.time_remaining() <= 0:
+                    raise
+                self.workers.down(worker, f"decode stream broke: {e.code().name} {e.details()}")
+                failed += (worker,)
+                if placement.migrations >= self.max_migrations:
+                    raise unavailable(f"decode failed {placement.migrations + 1} times for this request "
+                                      f"(router.max_migrations is {self.max_migrations}): {e.details()}") from e
+                placement.migrations += 1
+                metrics.MIGRATIONS.inc()
+                log.warning("%s: decode on %s broke after %d tokens (%s); migrating", request_id, worker.name,
+                            len(emitted), e.code().name)
+            finally:
+                # A client cancel or deadline cancels this handler; cancel the decode call
+                # explicitly too, so decode frees the sequence now rather than whenever the
+                # call object is collected.
+                stream.cancel()
+                worker.running -= 1
+                self.load.decode_running[site] -= 1
+
+    async def _decode_worker(self, placement, failed: tuple[Worker, ...]) -> Worker:
+        """A live decode worker at the placed site, else at another decode site; UNAVAILABLE at once
+        when there is none."""
+        worker = await self.workers.pick_or_recheck("decode", placement.decode_site, exclude=failed)
+        if worker is None:
+            for site in self.workers.sites_with_live("decode"):
+                worker = self.workers.pick("decode", site, exclude=failed)
+                if worker is not None:
+                    placement.reason += f"; decode moved to {site}: no live decode worker at {placement.decode_site}"
+                    placement.decode_site = site
+                    break
+        if worker is None:
+            raise unavailable("no live decode worker: every decode worker is down or still loading")
+        return worker
+
+    async def _prefill(self, prompt, hashes, request_id, pb_params, placement, estimate_s: float, context):
+        """Prefill on a live worker of the placed site, trying the next one when a worker fails;
+        None when none is left (the decode worker then prefills: decode-only fallback)."""
+        site, tried = placement.prefill_site, ()
+        queue = self.load.prefill_queue_s
+        while (worker := await self.workers.pick_or_recheck("prefill", site, exclude=tried)) is not None:
+            queue[site] = queue.get(site, 0.0) + estimate_s
+            worker.running += 1
+            try:
+                return await self.workers.stub(worker).Prefill(
+                    prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=pb_params,
+                                               block_hashes=hashes), timeout=context.time_remaining())
+            except grpc.aio.AioRpcError as e:
+                if not worker_failed(e) or context.time_remaining() <= 0:
+                    raise
+                self.workers.down(worker, f"prefill failed: {e.code().name} {e.details()}")
+                tried += (worker,)
+                placement.prefill_fallback = "another worker"
+            finally:
+                worker.running -= 1
+                queue[site] = max(0.0, queue[site] - estimate_s)
+        placement.prefill_fallback = "decode-only"
+        placement.prefill_site = placement.decode_site
+        log.warning("%s: no live prefill worker at %s; the decode worker prefills", request_id, site)
+        return None
+
+    def _finished(self, timings, usage, received: float, first_at: float, completion_tokens: int,
+                  finish_reason: str, placement, prompt) -> None:
+        done = time.perf_counter()
+        usage.completion_tokens = completion_tokens
+        timings.decode_s = done - first_at
+        timings.e2e_s = done - received
+        timings.tpot_s = timings.decode_s / max(1, completion_tokens - 1)
+        tracing.annotate(completion_tokens=completion_tokens, cached_tokens=usage.cached_tokens,
+                         ttft_s=timings.ttft_s, tpot_s=timings.tpot_s, finish_reason=finish_reason,
+                         migrations=placement.migrations, prefill_fallback=placement.prefill_fallback)
+        if completion_tokens > 1:
+            metrics.TPOT.observe(timings.tpot_s)
+        metrics.E2E.observe(timings.e2e_s)
+        metrics.PROMPT_TOKENS.inc(len(prompt))
+        metrics.GENERATION_TOKENS.inc(completion_tokens)
+        metrics.REQUEST_SUCCESS.labels(finish_reason).inc()
+        metrics.PLACEMENTS.labels(placement.prefill_site, placement.decode_site).inc()

@@ -1,0 +1,238 @@
+"""Workers really die (SIGKILL) under load on the shipped configs/local-ha.yaml (two prefill and
+two decode workers, the default q4 path) and every request still gets exactly the tokens of an
+undisturbed run: decode streams migrate token for token, prefill fails over to the other worker
+and, with both prefill workers dead, to the decode site. Admission past the router's limit is
+refused at once with pushback."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import psutil
+import pytest
+import yaml
+
+from ember.client import RouterClient
+from ember.cluster.launcher import running, wait_serving
+from ember.cluster.ports import on_free_ports
+from ember.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
+from tests.conftest import LONG_TEXT, PROMPTS
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+NEW_TOKENS = 32
+STREAMS = 16
+
+
+@pytest.fixture(scope="module")
+def ha(tmp_path_factory, model_path):
+    run_dir = tmp_path_factory.mktemp("ha")
+    config = on_free_ports(ROOT / "configs" / "local-ha.yaml", run_dir / "cluster.yaml", str(model_path))
+    with running(run_dir / "cluster.yaml", run_dir, timeout_s=300):
+        yield {"config": config, "run_dir": run_dir, "router": config["router"]["listen"]}
+
+
+def services(ha) -> dict:
+    return json.loads((ha["run_dir"] / "services.json").read_text())
+
+
+def pid_of(ha, name: str) -> int:
+    return json.loads((ha["run_dir"] / "pids.json").read_text())[name]
+
+
+def kill(ha, name: str) -> list[int]:
+    """SIGKILL the service `name` (its engine core follows when its socket closes); its pids."""
+    proc = psutil.Process(pid_of(ha, name))
+    pids = [proc.pid] + [c.pid for c in proc.children(recursive=True)]
+    os.kill(proc.pid, signal.SIGKILL)
+    return pids
+
+
+def restart(ha, name: str) -> None:
+    info = services(ha)[name]
+    log = ha["run_dir"] / f"{name}.log"
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(info["argv"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    pids = json.loads((ha["run_dir"] / "pids.json").read_text())
+    pids[name] = proc.pid
+    (ha["run_dir"] / "pids.json").write_text(json.dumps(pids))
+    wait_serving(info["address"], time.monotonic() + 240, proc, log)
+
+
+def wait_dead(pids: list[int], timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        assert time.monotonic() < deadline, "a killed worker's processes outlived it"
+        time.sleep(0.1)
+
+
+def prompts(engine_tokenizer, long: bool = False) -> list[list[int]]:
+    base = [LONG_TEXT[:1200 + 40 * i] if long else PROMPTS[i % len(PROMPTS)] + f" (variant {i})"
+            for i in range(STREAMS)]
+    return [engine_tokenizer.encode(p) for p in base]
+
+
+def run_streams(router: str, ids: list[list[int]], during=None, **sampling) -> list:
+    """All streams at once; `during(counts)` is called from here until it returns True (it sees how
+    many tokens each stream has so far). Returns each stream's final message and tokens."""
+    counts = [0] * len(ids)
+
+    def one(i):
+        tokens, final = [], None
+        with RouterClient(router) as client:
+            for msg in client.stream(token_ids=ids[i], max_tokens=NEW_TOKENS, ignore_eos=True, timeout=300,
+                                     **sampling):
+                tokens += msg.token_ids
+                counts[i] = len(tokens)
+                final = msg
+        return tokens, final
+    with ThreadPoolExecutor(len(ids)) as pool:
+        futures = [pool.submit(one, i) for i in range(len(ids))]
+        while during is not None and not during(counts):
+            assert not any(f.done() and f.exception() for f in futures), [f.exception() for f in futures if f.done()]
+            time.sleep(0.05)
+        return [f.result(timeout=300) for f in futures]
+
+
+def decode_stats(address: str):
+    with grpc.insecure_channel(address) as ch:
+        return decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.DecodeStatsRequest(), timeout=10)
+
+
+def leases(ha) -> int:
+    total = 0
+    for name, info in services(ha).items():
+        if name.startswith("kvstore"):
+            with grpc.insecure_channel(info["address"]) as ch:
+                total += kvstore_pb2_grpc.KVStoreStub(ch).Stats(kvstore_pb2.StatsRequest(), timeout=10).leases
+    return total
+
+
+def settle(ha, names: list[str], timeout_s: float = 90) -> None:
+    """Afterwards: no sequence running, no block in use on `names`, no lease held."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = [decode_stats(services(ha)[n]["address"]) for n in names]
+        if all(s.running == 0 and s.waiting == 0 and s.used_blocks == 0 for s in stats) and leases(ha) == 0:
+            return
+        assert time.monotonic() < deadline, f"not settled: {stats}, leases {leases(ha)}"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 1234}], ids=["greedy", "seeded"])
+def test_killing_the_busiest_decode_worker_loses_no_stream_and_changes_no_token(ha, engine, sampling):
+    ids = prompts(engine.tokenizer)
+    reference = run_streams(ha["router"], ids, **sampling)
+    decoders = ["decode-edge-0", "decode-edge-1"]
+    killed: list[str] = []
+
+    def kill_busiest(counts) -> bool:
+        if min(counts) < 6:  # every stream is decoding
+            return False
+        busiest = max(decoders, key=lambda n: decode_stats(services(ha)[n]["address"]).running)
+        killed.append(busiest)
+        killed.extend(map(str, kill(ha, busiest)))
+        return True
+    disturbed = run_streams(ha["router"], ids, during=kill_busiest, **sampling)
+    name, pids = killed[0], [int(p) for p in killed[1:]]
+    wait_dead(pids)
+    assert [t for t, _ in disturbed] == [t for t, _ in reference], "every stream continued token for token"
+    assert all(len(t) == NEW_TOKENS and f.finished for t, f in disturbed)
+    migrated = sum(f.placement.migrations for _, f in disturbed)
+    assert migrated >= 1, "the killed worker had streams, and they moved"
+    survivor = next(n for n in decoders if n != name)
+    settle(ha, [survivor])
+    restart(ha, name)
+    settle(ha, decoders)
+
+
+def test_a_stream_over_http_sse_survives_its_decode_worker(ha, engine):
+    import openai
+    client = openai.OpenAI(base_url=f"http://{ha['config']['router']['http']}/v1", api_key="unused",
+                           max_retries=0, timeout=300)
+    messages = [{"role": "user", "content": "Count from one to forty in words."}]
+    kwargs = dict(model="SmolLM2-135M-Instruct.Q4_1", messages=messages, max_tokens=NEW_TOKENS, temperature=0,
+                  extra_body={"ignore_eos": True})
+    want = client.chat.completions.create(**kwargs).choices[0].message.content
+    pieces, killed = [], []
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        assert not getattr(chunk, "error", None)
+        if chunk.choices and chunk.choices[0].delta.content:
+            pieces.append(chunk.choices[0].delta.content)
+        if len(pieces) == 5 and not killed:
+            busy = [n for n in ("decode-edge-0", "decode-edge-1")
+                    if decode_stats(services(ha)[n]["address"]).running]
+            killed.append(busy[0])
+            wait_dead(kill(ha, busy[0]))
+    assert killed and "".join(pieces) == want, "the SSE stream ended normally ([DONE]) with the same text"
+    restart(ha, killed[0])
+
+
+def test_prefill_fails_over_to_the_other_worker_then_to_the_decode_site(ha, engine):
+    ids = prompts(engine.tokenizer, long=True)
+    reference = run_streams(ha["router"], ids)
+    # one prefill worker killed while the long prefills queue on both
+    started = time.monotonic()
+    victims: list[int] = []
+
+    def kill_one(counts) -> bool:
+        if time.monotonic() - started < 1.0:
+            return False
+        victims.extend(kill(ha, "prefill-central-0"))
+        return True
+    disturbed = run_streams(ha["router"], ids, during=kill_one)
+    wait_dead(victims)
+    assert [t for t, _ in disturbed] == [t for t, _ in reference]
+    # both prefill workers dead: the decode site prefills (decode-only fallback), same tokens
+    wait_dead(kill(ha, "prefill-central-1"))
+    fallback = run_streams(ha["router"], ids[:4])
+    assert [t for t, _ in fallback] == [t for t, _ in reference[:4]]
+    assert all(f.placement.prefill_fallback == "decode-only" for _, f in fallback)
+    restart(ha, "prefill-central-0")
+    restart(ha, "prefill-central-1")
+
+
+def test_with_every_decode_worker_dead_a_request_fails_fast_without_spending_prefill(ha, engine):
+    victims = kill(ha, "decode-edge-0") + kill(ha, "decode-edge-1")
+    wait_dead(victims)
+    start = time.monotonic()
+    with RouterClient(ha["router"]) as client, pytest.raises(grpc.RpcError) as e:
+        list(client.stream(text="hello there", max_tokens=8, timeout=30))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - start < 2.0
+    restart(ha, "decode-edge-0")
+    restart(ha, "decode-edge-1")
+
+
+def test_past_the_admission_limit_requests_are_refused_at_once_with_pushback(tmp_path, model_path, engine):
+    data = yaml.safe_load((ROOT / "configs" / "local-ha.yaml").read_text())
+    data["router"]["max_inflight"] = 4
+    (tmp_path / "source.yaml").write_text(yaml.safe_dump(data))
+    config = on_free_ports(tmp_path / "source.yaml", tmp_path / "cluster.yaml", str(model_path))
+    ids = prompts(engine.tokenizer)[:1]
+    with running(tmp_path / "cluster.yaml", tmp_path, timeout_s=300):
+        reference = run_streams(config["router"]["listen"], ids)[0][0]
+        results = []
+
+        def one(i):
+            start = time.monotonic()
+            try:
+                with RouterClient(config["router"]["listen"]) as client:
+                    tokens = [t for m in client.stream(token_ids=ids[0], max_tokens=NEW_TOKENS, ignore_eos=True,
+                                                       timeout=300) for t in m.token_ids]
+                return "ok", tokens, time.monotonic() - start, None
+            except grpc.RpcError as e:
+                pushback = dict(e.trailing_metadata() or ()).get("grpc-retry-pushback-ms")
+                return e.code(), None, time.monotonic() - start, pushback
+        with ThreadPoolExecutor(20) as pool:
+            results = list(pool.map(one, range(20)))
+    accepted = [r for r in results if r[0] == "ok"]
+    refused = [r for r in results if r[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert len(accepted) + len(refused) == 20 and len(accepted) >= 4 and len(refused) >= 10
+    assert all(r[1] == reference for r in accepted), "every accepted stream is correct"
+    assert all(r[2] < 0.5 and r[3] == "1000" for r in refused), [(r[2], r[3]) for r in refused]
