@@ -26,7 +26,7 @@ from tests.conftest import LONG_TEXT, PROMPTS
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-NEW_TOKENS = 32
+NEW_TOKENS = 24
 STREAMS = 16
 
 
@@ -236,3 +236,34 @@ def test_past_the_admission_limit_requests_are_refused_at_once_with_pushback(tmp
     assert len(accepted) + len(refused) == 20 and len(accepted) >= 4 and len(refused) >= 10
     assert all(r[1] == reference for r in accepted), "every accepted stream is correct"
     assert all(r[2] < 0.5 and r[3] == "1000" for r in refused), [(r[2], r[3]) for r in refused]
+
+
+def recoveries(ha) -> int:
+    """Transfers the engines computed around (logged by each engine core)."""
+    return sum(line.count("failed (computing") + line.count("write-back to the site kvstore failed")
+               for name in services(ha) if name.startswith(("prefill", "decode"))
+               for line in (ha["run_dir"] / f"{name}.log").read_text(errors="replace").splitlines())
+
+
+@pytest.mark.parametrize("store", ["kvstore-edge", "kvstore-central"])
+def test_a_kvstore_killed_and_restarted_under_load_costs_no_request_and_no_token(ha, engine, store):
+    ids = [engine.tokenizer.encode(f"Story {i} of {store}: " + LONG_TEXT[:700 + 30 * i]) for i in range(8)]
+    fresh = [engine.tokenizer.encode(f"Tale {i} of {store}: " + LONG_TEXT[:700 + 30 * i]) for i in range(8)]
+    reference, reference_fresh = run_streams(ha["router"], ids), run_streams(ha["router"], fresh)
+    before, started, victims = recoveries(ha), time.monotonic(), []
+
+    def kill_store(counts) -> bool:
+        if time.monotonic() - started < 0.3:
+            return False
+        victims.extend(kill(ha, store))
+        return True
+    bumped = [[t + 1 for t in p[:1]] + p[1:] for p in fresh]  # never seen: each needs a transfer, as the store dies
+    during = run_streams(ha["router"], bumped[:4] + ids[4:], during=kill_store)
+    wait_dead(victims)
+    assert recoveries(ha) > before, "the kill hit transfers in flight, and the engines computed around them"
+    restart(ha, store)
+    after = run_streams(ha["router"], fresh)  # the restarted store: new arena, blocks pulled again
+    reference_bumped = run_streams(ha["router"], bumped[:4])
+    assert [t for t, _ in during] == [t for t, _ in reference_bumped] + [t for t, _ in reference[4:]]
+    assert [t for t, _ in after] == [t for t, _ in reference_fresh]
+    assert all(f.finished for _, f in during + after)

@@ -198,6 +198,11 @@ class KVStoreSection(Section):
     shm_socket: str | None = Field(None, description="Unix socket handing out the arena: a path (containers "
                                                      "sharing a volume) or @NAME; unset: an abstract socket "
                                                      "named after the store")
+    on_transfer_failure: Literal["recompute", "fail"] = Field(
+        "recompute", description="a failed or partial pull (or prefill's write to its store): the engine computes "
+                                 "what is missing, or fails the request")
+    recompute_max_tokens: int | None = Field(None, gt=0, description="recompute at most this many prompt tokens "
+                                                                     "after a failed transfer; unset: any")
 
 
 class DirectorySection(Section):

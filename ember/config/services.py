@@ -60,6 +60,8 @@ class EngineServiceSettings:
     listen: str
     kvstore: str
     shared_memory: bool
+    on_transfer_failure: str
+    recompute_max_tokens: int | None
     engine: dict             # EngineConfig fields ("auto" resolved against the model)
 
 
@@ -95,8 +97,9 @@ def engine_settings(config: ClusterConfig, role: str, site_name: str, worker: in
     if not 0 <= worker < len(pool):
         raise ValueError(f"site {site_name!r} has {len(pool)} {role} worker(s); --worker {worker} is not one")
     engine = EngineConfig(model=str(config.model_path()), **config.engine.for_role(role).model_dump())
-    settings = EngineServiceSettings(role, site.name, worker, pool[worker], site.kvstore,
-                                     config.kvstore.shared_memory, engine.model_dump())
+    k = config.kvstore
+    settings = EngineServiceSettings(role, site.name, worker, pool[worker], site.kvstore, k.shared_memory,
+                                     k.on_transfer_failure, k.recompute_max_tokens, engine.model_dump())
     return settings, engine
 
 

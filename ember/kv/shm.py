@@ -66,6 +66,7 @@ class ArenaReader:
     """A read-only map of a same-host kvstore's arena; `frame(offset, length)` is a view."""
 
     def __init__(self, path: str, store_id: bytes, timeout: float = 2.0):
+        self.store_id = store_id
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
             sock.connect(_address(path))

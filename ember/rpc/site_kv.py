@@ -29,12 +29,19 @@ class SiteKV:
         self._arena_checked = False
         self.blocks_shared_memory = self.blocks_grpc = 0
 
-    async def _arena(self) -> ArenaReader | None:
-        """The kvstore's arena when it shares this host (asked once)."""
+    async def _arena(self, store_id: bytes = b"") -> ArenaReader | None:
+        """The kvstore's arena when it shares this host (asked once per store process: a lease
+        from a restarted store carries a new store id, and its arena is mapped afresh)."""
+        if self.use_shm and self._arena_checked and store_id and self.arena is not None \
+                and self.arena.store_id != store_id:
+            # the old map goes with its last frame view (frames being imported may still use it)
+            self.arena, self._arena_checked = None, False
         if self.use_shm and not self._arena_checked:
             stats = await self.stub.Stats(kvstore_pb2.StatsRequest(), timeout=5)
             self.arena = ArenaReader.try_open(stats.shm_socket, stats.store_id)
             self._arena_checked = True
+        if self.arena is not None and store_id and self.arena.store_id != store_id:
+            return None  # restarted again between the lease and the Stats call: read over gRPC
         return self.arena
 
     async def pull(self, hashes: list[bytes], source: str, timeout: float | None) -> kvstore_pb2.PullResponse:
@@ -49,7 +56,7 @@ class SiteKV:
     async def payloads(self, hashes: list[bytes], lease: kvstore_pb2.LeaseResponse, expect: wire.FrameHeader,
                        timeout: float | None) -> dict[bytes, memoryview]:
         """Verified raw payloads of the leased blocks (wire.FrameError if one is damaged or foreign)."""
-        arena = await self._arena()
+        arena = await self._arena(lease.store_id)
         held = [(h, offset) for h, offset, ok in zip(hashes, lease.offsets, lease.present) if ok]
         frames = {}
         if arena is not None:

@@ -161,7 +161,7 @@ class EngineCore:
 
     # -- internals -----------------------------------------------------------------------------
     def _transfers_done(self) -> bool:
-        return any(p.load.done() for p in self.pending.values()) or any(f.done() for f, _ in self.stores) \
+        return any(p.load.done() for p in self.pending.values()) or any(f.done() for f, _, _ in self.stores) \
             or any(f.done() for _, f in self.releases)
 
     def _poll_transfers(self) -> list[tuple]:
@@ -170,15 +170,18 @@ class EngineCore:
             if pending.load.done():
                 del self.pending[rid]
                 events.extend(self._import(pending))
-        for future, out in [s for s in self.stores if s[0].done()]:
-            self.stores.remove((future, out))
+        for future, out, fail in [s for s in self.stores if s[0].done()]:
+            self.stores.remove((future, out, fail))
             try:
                 stored, _ = future.result()
             except Exception as exc:  # noqa: BLE001
-                if out is not None:  # a sync write-back: the caller depends on these blocks
-                    events.append(_error(out.request_id, exc))
-                else:
-                    log.warning("write-back to the site kvstore failed: %s", exc)
+                if out is not None and fail:
+                    events.append(_error(out.request_id, exc))  # a sync write-back the caller depends on
+                    continue
+                log.warning("write-back to the site kvstore failed (the reader computes instead): %s", exc)
+                if out is not None:
+                    out.kv.blocks_stored = 0
+                    events.append(("out", out))
                 continue
             self.tiers.blocks_written_back += stored
             if out is not None:
@@ -196,10 +199,14 @@ class EngineCore:
         try:
             loaded = pending.load.result()
         except Exception as exc:  # noqa: BLE001
-            if pending.aborted or request.plan.pull_from:
+            plan = request.plan
+            to_compute = len(request.prompt_token_ids) - len(pending.pins) * self.engine.config.block_size
+            if pending.aborted or (plan.pull_from and (plan.on_kv_failure == "fail" or (
+                    plan.recompute_max_tokens is not None and to_compute > plan.recompute_max_tokens))):
                 self._release_pins(pending.pins)
                 return [] if pending.aborted else [_error(rid, exc)]
-            log.warning("read-through from the site kvstore failed (computing instead): %s", exc)
+            log.warning("%s from the site kvstore failed (computing %d prompt tokens instead): %s",
+                        "pull" if plan.pull_from else "read-through", to_compute, exc)
             self.tiers.load_failures += 1
             return self._admit(request, pending.pins, KVStats(blocks_l1=len(pending.pins)), pending.hashes,
                                pending.l2_lookup)
@@ -261,7 +268,7 @@ class EngineCore:
             return [("out", out)]
         sync = plan.write_back == "sync"
         self.stores.append((self.connector.store(frames, trace_context=live.request.trace_context),
-                            out if sync else None))
+                            out if sync else None, live.request.plan.on_kv_failure == "fail"))
         return [] if sync else [("out", out)]
 
     def _count_tiers(self, out: RequestOutput, kv: KVStats) -> None:

@@ -16,22 +16,29 @@ class KVPlan:
     """How a request's KV meets the site kvstore (L2), carried out by the core's KV connector.
 
     - pull_from: a kvstore (another site's) holding blocks this site's store lacks; the
-      site store pulls them there first (decode after a remote prefill). Failing is fatal.
+      site store pulls them there first (decode after a remote prefill); see on_kv_failure.
     - read_through: blocks missing from the engine pool (L1) are read from the site store
       before anything is computed; a failure here only means computing them.
     - write_back: "sync" stores the request's new full blocks in the site store before its
       last output is delivered (prefill: decode is about to pull them); "async" stores them
       in the background (decode: the next turn finds them); "none" skips it.
     - max_blocks: load at most the prompt's first N full blocks (those the source holds).
+    - on_kv_failure: a failed or partial pull, or a failed sync write-back: "recompute" computes
+      what is missing (at most recompute_max_tokens prompt tokens; None: any number), "fail"
+      ends the request with the transfer's error. Never a wrong token either way.
     """
     pull_from: str = ""
     read_through: bool = True
     write_back: str = "async"
     max_blocks: int | None = None
+    on_kv_failure: str = "recompute"
+    recompute_max_tokens: int | None = None
 
     def __post_init__(self):
         if self.write_back not in ("sync", "async", "none"):
             raise ValueError(f"KVPlan.write_back must be sync, async or none, got {self.write_back!r}")
+        if self.on_kv_failure not in ("recompute", "fail"):
+            raise ValueError(f"KVPlan.on_kv_failure must be recompute or fail, got {self.on_kv_failure!r}")
 
 
 @dataclass(frozen=True)

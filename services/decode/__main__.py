@@ -9,7 +9,9 @@ from ember.v1 import decode_pb2, decode_pb2_grpc
 
 async def main(args) -> None:
     await serve_engine_service("decode", decode_pb2.DESCRIPTOR.services_by_name["Decode"].full_name,
-                               DecodeService(), decode_pb2_grpc.add_DecodeServicer_to_server, args)
+                               DecodeService(args.cluster.kvstore.on_transfer_failure,
+                                             args.cluster.kvstore.recompute_max_tokens),
+                               decode_pb2_grpc.add_DecodeServicer_to_server, args)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ from ember.v1 import decode_pb2, decode_pb2_grpc
 
 
 class DecodeService(decode_pb2_grpc.DecodeServicer):
-    def __init__(self):
+    def __init__(self, on_transfer_failure: str = "recompute", recompute_max_tokens: int | None = None):
         self.engine = None  # an EngineClient, set once the model is warm
+        self.on_transfer_failure, self.recompute_max_tokens = on_transfer_failure, recompute_max_tokens
 
     async def Decode(self, request, context):
         require_ready(self.engine)
@@ -45,7 +46,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                            "as this decode server hashes them: the model, KV dtype or block size differ")
         # block_hashes: the prompt's leading blocks the source kvstore holds (prefill stored them)
         plan = KVPlan(pull_from=request.source_kvstore, read_through=True, write_back="async",
-                      max_blocks=len(wanted) if request.source_kvstore else None)
+                      max_blocks=len(wanted) if request.source_kvstore else None,
+                      on_kv_failure=self.on_transfer_failure, recompute_max_tokens=self.recompute_max_tokens)
         first, first_at = True, time.perf_counter()
         async for out in self.engine.generate(prompt, params, request.request_id, plan=plan,
                                               output_prefix=prefix,

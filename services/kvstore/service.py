@@ -147,7 +147,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         return kvstore_pb2.LeaseResponse(
             lease_id=lease_id, expires_in_s=lease.expires_at - self.store.clock(),
             present=[h in held for h in hashes],
-            offsets=[self.store.offset(h) if h in held else 0 for h in hashes], frame_bytes=self.store.slot_bytes)
+            offsets=[self.store.offset(h) if h in held else 0 for h in hashes], frame_bytes=self.store.slot_bytes,
+            store_id=self.store_id)
 
     async def Acquire(self, request, context):
         if request.lease_s <= 0:

@@ -8,8 +8,9 @@ from ember.v1 import prefill_pb2, prefill_pb2_grpc
 
 
 async def main(args) -> None:
-    site = args.cluster.site(args.site)
-    service = PrefillService(site.name, site.kvstore, tokenizer(args.cluster))
+    site, k = args.cluster.site(args.site), args.cluster.kvstore
+    service = PrefillService(site.name, site.kvstore, tokenizer(args.cluster), k.on_transfer_failure,
+                             k.recompute_max_tokens)
     await serve_engine_service("prefill", prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name,
                                service, prefill_pb2_grpc.add_PrefillServicer_to_server, args)
 

@@ -20,12 +20,13 @@ from ember.rpc.errors import RpcError, require_ready
 from ember.serving.messages import KVPlan
 from ember.v1 import prefill_pb2, prefill_pb2_grpc
 
-PLAN = KVPlan(read_through=True, write_back="sync")
-
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
-    def __init__(self, site: str, kvstore_address: str, tokenizer):
+    def __init__(self, site: str, kvstore_address: str, tokenizer, on_transfer_failure: str = "recompute",
+                 recompute_max_tokens: int | None = None):
         self.engine = None  # an EngineClient, set once the model is warm
+        self.plan = KVPlan(read_through=True, write_back="sync", on_kv_failure=on_transfer_failure,
+                           recompute_max_tokens=recompute_max_tokens)
         self.site = site
         self.kvstore_address = kvstore_address
         self.tokenizer = tokenizer
@@ -40,7 +41,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "the router's block hashes differ from this "
                            "prefill server's: they disagree on the model, KV dtype or block size")
         final = None
-        async for out in self.engine.generate(prompt, replace(params, max_tokens=1), request.request_id, plan=PLAN,
+        async for out in self.engine.generate(prompt, replace(params, max_tokens=1), request.request_id, plan=self.plan,
                                               timeout_s=context.time_remaining()):
             final = out
         kv = final.kv
