@@ -7,8 +7,11 @@ from pathlib import Path
 
 import ember  # noqa: F401  (sets OMP_WAIT_POLICY before torch loads)
 
-ENGINE_FLAGS = ("dtype", "weights", "threads", "kv_cache_mb", "kv_cache_memory_fraction", "max_num_seqs",
-                "max_num_batched_tokens", "max_model_len", "block_size")
+
+def engine_flags() -> list[str]:
+    """Every engine setting is a flag of `ember generate` / `ember bench`, by the same name."""
+    from ember.engine.config import EngineSettings
+    return list(EngineSettings.model_fields)
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -18,7 +21,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     from ember.engine.config import EngineSettings
     from ember.model.fetch import DEFAULT_MODEL_PATH
     p.add_argument("--model", default=str(DEFAULT_MODEL_PATH), help="GGUF file or HF model folder")
-    for name in ENGINE_FLAGS:
+    for name in engine_flags():
         field = EngineSettings.model_fields[name]
         kinds = [a for a in (typing.get_args(field.annotation) or (field.annotation,)) if a is not type(None)]
         if typing.get_origin(field.annotation) is typing.Literal:
@@ -30,7 +33,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def engine_settings(args) -> dict:
-    return {name: getattr(args, name) for name in ENGINE_FLAGS}
+    return {name: getattr(args, name) for name in engine_flags()}
 
 
 def cmd_generate(args) -> int:

@@ -185,6 +185,7 @@ def test_every_documented_key_is_read_by_a_service(tmp_path, model_path):
     """Start-up of every service of a config that sets every key, placement of requests under each
     policy, and each engine's start: a key none of them reads fails this test."""
     from ember.engine.engine import LLMEngine
+    from ember.engine.sampling_params import SamplingParams
     from ember.placement.policy import Load, Placer, Request
     from ember.placement.simulate import Simulator
     from ember.placement.trace import agentic
@@ -215,7 +216,7 @@ def test_every_documented_key_is_read_by_a_service(tmp_path, model_path):
     used = set()  # and each engine setting is used by the engine itself (one engine sizes its pool in MiB,
     for name in ("prefill-central", "decode-east"):  # the other by the memory fraction)
         with record_reads() as engine_reads:
-            LLMEngine(engines[name])
+            LLMEngine(engines[name]).generate([[1, 2, 3, 4]], SamplingParams(max_tokens=2))
         used |= {key for cls, key in engine_reads if cls == "EngineConfig"}
     assert set(EngineSettings.model_fields) - used == set(), "engine settings no engine reads"
 

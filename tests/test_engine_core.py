@@ -272,3 +272,24 @@ def test_a_killed_engine_core_makes_its_service_not_serving_and_streams_unavaila
                     != health_pb2.HealthCheckResponse.NOT_SERVING:
                 assert time.monotonic() < deadline, status
                 time.sleep(0.05)
+
+
+def test_the_waiting_queue_is_bounded_and_a_queued_request_past_its_deadline_is_never_computed(make_engine):
+    engine = make_engine(kv_cache_mb=32, max_waiting_requests=2, max_num_seqs=1)
+    core = EngineCore(engine)
+    ids = engine.tokenizer.encode(PROMPTS[0])
+    long = SamplingParams(max_tokens=40, ignore_eos=True)
+    assert core.add(AddRequest("running", ids, long)) == []
+    core.turn()  # admitted: running, the queue is empty again
+    assert core.add(AddRequest("q1", ids, long)) == []
+    assert core.add(AddRequest("late", ids + [5], long, timeout_s=0.05)) == []
+    [(kind, rid, exc)] = core.add(AddRequest("q3", ids, long))  # a third waiting request: refused
+    assert (kind, rid, type(exc).__name__) == ("error", "q3", "CapacityError") and "queue is full" in str(exc)
+    time.sleep(0.1)
+    events = core.turn()
+    expired = [e for e in events if e[0] == "error" and e[1] == "late"]
+    assert expired and isinstance(expired[0][2], TimeoutError) and core.tiers.expired_in_queue == 1
+    assert "late" not in engine.seqs, "dropped from the queue before any of it was computed"
+    while engine.has_unfinished():
+        core.turn()
+    assert engine.block_manager.num_used_blocks == 0

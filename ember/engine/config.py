@@ -33,6 +33,10 @@ class EngineSettings(Section):
     max_model_len: int | None = Field(None, gt=0, description="longest prompt + output; unset: the model's "
                                                               "context length")
     threads: int = Field(0, ge=0, description="torch threads of the engine process; 0: one per core")
+    max_waiting_requests: int = Field(256, gt=0, description="requests queued (not yet running) at most; past "
+                                                             "it: RESOURCE_EXHAUSTED")
+    max_waiting_tokens: int = Field(262144, gt=0, description="prompt tokens queued at most; past it: "
+                                                              "RESOURCE_EXHAUSTED")
 
     @field_validator("block_size")
     @classmethod

@@ -72,7 +72,7 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams = SamplingParams(),
-                    request_id: str | None = None, output_prefix: list[int] = ()) -> str:
+                    request_id: str | None = None, output_prefix: list[int] = (), check_queue: bool = True) -> str:
         """Queue a request. `output_prefix`: tokens of this request already generated
         elsewhere (the first token, sampled by a prefill server); they count towards
         max_tokens and the text, whose part already streamed is not streamed again."""
@@ -81,6 +81,8 @@ class LLMEngine:
             raise InvalidRequestError(f"request_id {request_id!r} is already running")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self.validate(token_ids, params)
+        if check_queue:  # (the engine core checks when the request arrives, counting its loads too)
+            self.check_queue(len(token_ids))
         if len(output_prefix) >= params.max_tokens:
             raise InvalidRequestError("output_prefix already reaches max_tokens: nothing left to generate")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
@@ -108,6 +110,17 @@ class LLMEngine:
             raise CapacityError(
                 f"prompt + max_tokens = {total} tokens needs more KV blocks than the pool holds "
                 f"({self.block_manager.num_blocks} blocks of {self.config.block_size}); raise kv_cache_mb")
+
+    def check_queue(self, num_tokens: int, also_waiting: int = 0, also_tokens: int = 0) -> None:
+        """CapacityError when the waiting queue (plus `also_*` queued elsewhere) has no room for one
+        more request of `num_tokens` prompt tokens: bounded memory, and a fast refusal under overload."""
+        waiting = self.scheduler.waiting
+        queued = len(waiting) + also_waiting
+        tokens = sum(s.prompt_len for s in waiting) + also_tokens + num_tokens
+        if queued >= self.config.max_waiting_requests or tokens > self.config.max_waiting_tokens:
+            raise CapacityError(f"the engine's queue is full ({queued} requests waiting, limit "
+                                f"{self.config.max_waiting_requests}; {tokens} prompt tokens with this one, limit "
+                                f"{self.config.max_waiting_tokens}); retry shortly")
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 from dataclasses import dataclass, field
 
 from ember.engine.engine import LLMEngine
@@ -62,6 +63,7 @@ class TierCounters:
     blocks_written_back: int = 0
     load_failures: int = 0
     holds_dropped: int = 0
+    expired_in_queue: int = 0
 
 
 @dataclass
@@ -70,6 +72,7 @@ class EngineCore:
     connector: object | None = None  # ember.rpc.kv_connector.KVConnector when a site kvstore is configured
     pending: dict[str, _Pending] = field(default_factory=dict)
     live: dict[str, _Live] = field(default_factory=dict)
+    deadlines: dict[str, float] = field(default_factory=dict)  # monotonic, of requests sent with a timeout
     stores: list[tuple[concurrent.futures.Future, RequestOutput | None]] = field(default_factory=list)
     releases: list[tuple[str, concurrent.futures.Future]] = field(default_factory=list)
     tiers: TierCounters = field(default_factory=TierCounters)
@@ -82,8 +85,12 @@ class EngineCore:
         engine, bm = self.engine, self.engine.block_manager
         try:
             engine.validate(request.prompt_token_ids, request.params)
+            engine.check_queue(len(request.prompt_token_ids), also_waiting=len(self.pending),
+                               also_tokens=sum(len(p.request.prompt_token_ids) for p in self.pending.values()))
         except (InvalidRequestError, CapacityError) as e:
             return [_error(rid, e)]
+        if request.timeout_s is not None:
+            self.deadlines[rid] = time.monotonic() + request.timeout_s
         bs = engine.config.block_size
         prompt = request.prompt_token_ids
         hashes = chain_hashes(prompt, bs, bm.root_hash)
@@ -141,7 +148,7 @@ class EngineCore:
         return bool(self.pending or self.stores or self.releases)
 
     def turn(self) -> list[tuple]:
-        events = self._poll_transfers()
+        events = self._poll_transfers() + self._expire_queued()
         if self.engine.has_unfinished():
             steps = self.engine.stats.num_steps
             try:
@@ -160,6 +167,22 @@ class EngineCore:
         return events
 
     # -- internals -----------------------------------------------------------------------------
+    def _expire_queued(self) -> list[tuple]:
+        """Requests whose deadline passed before they started are dropped, never computed."""
+        if not self.deadlines:
+            return []
+        now, events = time.monotonic(), []
+        waiting = {s.request_id for s in self.engine.scheduler.waiting if s.num_computed_tokens == 0}
+        for rid, deadline in list(self.deadlines.items()):
+            if rid not in self.pending and rid not in self.live:
+                del self.deadlines[rid]
+            elif now > deadline and (rid in self.pending or rid in waiting):
+                del self.deadlines[rid]
+                self.abort(rid)
+                self.tiers.expired_in_queue += 1
+                events.append(_error(rid, TimeoutError("the request's deadline passed while it was queued")))
+        return events
+
     def _transfers_done(self) -> bool:
         return any(p.load.done() for p in self.pending.values()) or any(f.done() for f, _, _ in self.stores) \
             or any(f.done() for _, f in self.releases)
@@ -232,7 +255,7 @@ class EngineCore:
                l2_lookup: concurrent.futures.Future | None = None) -> list[tuple]:
         try:
             self.engine.add_request(request.prompt_token_ids, request.params, request.request_id,
-                                    output_prefix=request.output_prefix)
+                                    output_prefix=request.output_prefix, check_queue=False)
         except (InvalidRequestError, CapacityError) as e:
             self._release_pins(pins)
             return [_error(request.request_id, e)]
