@@ -16,6 +16,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from ember.cluster.ports import free_port
+from ember.errors import InvalidRequestError
 from ember.rpc import tracing
 from ember.rpc.errors import RpcError
 from ember.rpc.server import Server, channel
@@ -40,7 +41,7 @@ def _echo_service(address: str, closed: list[str]) -> grpc.GenericRpcHandler:
         tracing.annotate(unary_got=request.decode())
         await asyncio.sleep(0)
         if request == b"bad":
-            raise ValueError("bad request")
+            raise InvalidRequestError("bad request")
         if request == b"gone":
             raise RpcError(grpc.StatusCode.UNAVAILABLE, "gone")
         return request
@@ -58,7 +59,7 @@ def _echo_service(address: str, closed: list[str]) -> grpc.GenericRpcHandler:
                     if step == 2:
                         assert [m async for m in call_stream(b"3", timeout=10)] == [b"0", b"1", b"2"]
                     if request == b"fail" and step == 2:
-                        raise ValueError("the handler failed mid-stream")
+                        raise InvalidRequestError("the handler failed mid-stream")
                     yield str(step).encode()
                     if request == b"slow":
                         await asyncio.sleep(30)
@@ -337,3 +338,14 @@ def test_status_scrape_reads_prometheus_text():
     assert m["ember:e2e_request_latency_seconds_count"] == 1 and m["ember:e2e_request_latency_seconds_sum"] == 0.5
     assert m['ember:request_errors_total{code="INVALID_ARGUMENT",method="/ember.v1.Router/Generate"}'] == 2
     assert status.scrape(None) == {} and status.scrape(f"127.0.0.1:{free_port()}") == {}
+
+
+def test_only_embers_own_errors_get_a_status_anything_else_is_internal():
+    from ember.errors import CapacityError, IntegrityError, NotFoundError
+    from ember.rpc.errors import status_for
+    assert status_for(InvalidRequestError("x"))[0] == grpc.StatusCode.INVALID_ARGUMENT
+    assert status_for(CapacityError("x"))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert status_for(IntegrityError("x"))[0] == grpc.StatusCode.DATA_LOSS
+    assert status_for(NotFoundError("x"))[0] == grpc.StatusCode.NOT_FOUND
+    for bug in (ValueError("x"), KeyError("x"), OSError("x"), IndexError("index out of range")):
+        assert status_for(bug)[0] == grpc.StatusCode.INTERNAL, f"{type(bug).__name__} must not hide as a status"

@@ -18,6 +18,7 @@ from ember.engine.sampler import sample
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.scheduler import Scheduler
 from ember.engine.sequence import Sequence
+from ember.errors import NotFoundError
 from ember.kernels import optimize
 from ember.kv import wire
 from ember.kv.block_hash import chain_hashes, root_hash
@@ -195,7 +196,7 @@ class LLMEngine:
         for h in block_hashes:
             block_id = self.block_manager.cached.get(h)
             if block_id is None:
-                raise KeyError(f"block {h.hex()} is not in the cache (evicted or never computed)")
+                raise NotFoundError(f"block {h.hex()} is not in the cache (evicted or never computed)")
             payloads.append(self.cache.export_block(block_id))
         return payloads
 

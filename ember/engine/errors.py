@@ -1,13 +1,4 @@
-"""Engine errors, each mapping to one gRPC status at the service edge."""
+"""Engine errors: Ember's own types (ember.errors), by the engine's name for them."""
+from ember.errors import CapacityError, IntegrityError, InvalidRequestError
 
-
-class InvalidRequestError(ValueError):
-    """The request itself is wrong (INVALID_ARGUMENT)."""
-
-
-class CapacityError(RuntimeError):
-    """The request can never fit this engine's KV pool (RESOURCE_EXHAUSTED)."""
-
-
-class IntegrityError(ValueError):
-    """Imported KV does not match the tokens or layout it claims (DATA_LOSS)."""
+__all__ = ["CapacityError", "IntegrityError", "InvalidRequestError"]

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterable
 
 import grpc
 
+from ember.errors import IntegrityError, InvalidRequestError
 from ember.kv.block_hash import HASH_BYTES
 
 SERVICE = "ember.v1.KVStoreBulk"
@@ -32,13 +33,13 @@ _COUNTS = struct.Struct("<II")
 
 def encode_hashes(hashes: list[bytes]) -> bytes:
     if any(len(h) != HASH_BYTES for h in hashes):
-        raise ValueError(f"block hashes must be {HASH_BYTES} bytes")
+        raise InvalidRequestError(f"block hashes must be {HASH_BYTES} bytes")
     return b"".join(hashes)
 
 
 def decode_hashes(raw: bytes) -> list[bytes]:
     if len(raw) % HASH_BYTES:
-        raise ValueError(f"hash list of {len(raw)} bytes is not a multiple of {HASH_BYTES}")
+        raise InvalidRequestError(f"hash list of {len(raw)} bytes is not a multiple of {HASH_BYTES}")
     return [raw[i:i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES)]
 
 
@@ -89,5 +90,5 @@ async def fetch(channel: grpc.aio.Channel, hashes: list[bytes], timeout: float |
         view = memoryview(message)
         block_hash = bytes(view[:HASH_BYTES])
         if block_hash != next(expected, None):
-            raise ValueError("bulk stream returned blocks out of order")
+            raise IntegrityError("bulk stream returned blocks out of order")
         yield block_hash, view[HASH_BYTES:]

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
+from ember.errors import InvalidRequestError
+
 CHUNK_BYTES = 1 << 20
 
 
@@ -27,15 +29,15 @@ class Assembler:
     def add(self, block_hash: bytes, block_bytes: int, offset: int, data: bytes) -> tuple[bytes, bytes] | None:
         if self._buf is None:
             if offset != 0:
-                raise ValueError("stream starts mid-block")
+                raise InvalidRequestError("stream starts mid-block")
             if not 0 < block_bytes <= self.max_block_bytes:
-                raise ValueError(f"block size {block_bytes} out of range")
+                raise InvalidRequestError(f"block size {block_bytes} out of range")
             self._hash, self._buf = block_hash, bytearray()
         if block_hash != self._hash or offset != len(self._buf):
-            raise ValueError("chunks out of order or interleaved")
+            raise InvalidRequestError("chunks out of order or interleaved")
         self._buf += data
         if len(self._buf) > block_bytes:
-            raise ValueError("block longer than announced")
+            raise InvalidRequestError("block longer than announced")
         if len(self._buf) < block_bytes:
             return None
         done = (self._hash, bytes(self._buf))
@@ -44,4 +46,4 @@ class Assembler:
 
     def finish(self) -> None:
         if self._buf is not None:
-            raise ValueError("stream ended mid-block")
+            raise InvalidRequestError("stream ended mid-block")

@@ -23,6 +23,8 @@ import socket
 import struct
 import threading
 
+from ember.errors import IntegrityError
+
 _HELLO = struct.Struct("<4s16sQ")
 MAGIC = b"EKVS"
 
@@ -88,7 +90,7 @@ class ArenaReader:
 
     def frame(self, offset: int, length: int) -> memoryview:
         if not 0 <= offset <= len(self.view) - length:
-            raise ValueError(f"frame at {offset}+{length} lies outside the {len(self.view)}-byte arena")
+            raise IntegrityError(f"frame at {offset}+{length} lies outside the {len(self.view)}-byte arena")
         return self.view[offset:offset + length]
 
     @staticmethod

@@ -21,6 +21,7 @@ import struct
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 
+from ember.errors import NotFoundError
 from ember.kv import codec, wire
 from ember.kv.block_hash import HASH_BYTES
 
@@ -31,7 +32,7 @@ _REQUEST = struct.Struct("<4sBxxxI")
 _HEADER = struct.Struct(f"<{HASH_BYTES}sQ")
 
 
-class BlockMissing(KeyError):
+class BlockMissing(NotFoundError):
     """The peer does not hold a requested block (evicted, or never stored)."""
 
 

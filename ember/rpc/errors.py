@@ -8,7 +8,7 @@ import logging
 import grpc
 from opentelemetry import trace
 
-from ember.engine.errors import CapacityError, IntegrityError, InvalidRequestError
+from ember.errors import CapacityError, IntegrityError, InvalidRequestError, NotFoundError
 from ember.kv import wire
 from ember.rpc import logs, metrics, tracing
 
@@ -46,16 +46,18 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.DATA_LOSS, str(exc)
     if isinstance(exc, wire.FrameError):  # damaged -> DATA_LOSS, not ours / wrong layout -> INVALID_ARGUMENT
         return getattr(grpc.StatusCode, exc.status), f"KV block refused: {exc}"
-    if isinstance(exc, (InvalidRequestError, ValueError)):
+    if isinstance(exc, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, CapacityError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, KeyError):
+    if isinstance(exc, NotFoundError):
         return grpc.StatusCode.NOT_FOUND, str(exc)
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
-        return grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded"
-    if isinstance(exc, (ConnectionError, OSError)):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"
+    if isinstance(exc, ConnectionError):  # a peer went away mid-transfer (the TCP data plane)
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    # anything else is a bug: INTERNAL, with its traceback logged (no blanket ValueError/KeyError
+    # mapping that would hide one)
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 

@@ -16,10 +16,35 @@ from ember.rpc import logs, tracing
 from ember.rpc.errors import ErrorInterceptor
 
 MAX_MESSAGE_BYTES = 64 * 2**20
+# Liveness: every channel pings its peer every KEEPALIVE_S, even idle, and gives up on the
+# connection when a ping goes unanswered for KEEPALIVE_TIMEOUT_S (a peer that accepts bytes but
+# never answers is abandoned within ~KEEPALIVE_S + KEEPALIVE_TIMEOUT_S; its calls end UNAVAILABLE).
+KEEPALIVE_S, KEEPALIVE_TIMEOUT_S = 5, 5
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
 ]
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),  # the server pings idle clients too
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_S * 1000 // 2),  # accept our clients' pings
+    ("grpc.http2.max_ping_strikes", 0),
+]
+# A call that arrives without a deadline gets this one for the work it fans out (no hop waits forever).
+DEFAULT_DEADLINE_S = 600.0
+
+
+def remaining(context, default_s: float = DEFAULT_DEADLINE_S) -> float:
+    """The caller's time left for a downstream call: its deadline, or the default when it set none."""
+    left = context.time_remaining()
+    return default_s if left is None else left
 
 
 def bind_address(address: str) -> str:
@@ -43,7 +68,7 @@ class Server:
         self.service_names = service_names
         # the SERVER span first, so the error interceptor's status lands on it
         self.server = grpc.aio.server(interceptors=[tracing.server_interceptor(), ErrorInterceptor()],
-                                      options=CHANNEL_OPTIONS)
+                                      options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(service_names + [reflection.SERVICE_NAME, health.SERVICE_NAME],

@@ -15,6 +15,7 @@ from ember.kv.block_hash import chain_hashes
 from ember.rpc import metrics, tracing
 from ember.rpc.convert import sampling_from_pb
 from ember.rpc.errors import RpcError, require_ready
+from ember.rpc.server import remaining
 from ember.serving.messages import KVPlan
 from ember.v1 import decode_pb2, decode_pb2_grpc
 
@@ -51,7 +52,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         first, first_at = True, time.perf_counter()
         async for out in self.engine.generate(prompt, params, request.request_id, plan=plan,
                                               output_prefix=prefix,
-                                              timeout_s=context.time_remaining()):
+                                              timeout_s=remaining(context)):
             msg = decode_pb2.DecodeResponse(token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
                                             finish_reason=out.finish_reason or "",
                                             completion_tokens=out.completion_tokens)

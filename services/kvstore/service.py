@@ -10,6 +10,7 @@ from ember.kv import codec
 from ember.kv.chunks import Assembler, split
 from ember.rpc import metrics, tracing
 from ember.rpc.errors import RpcError
+from ember.rpc.server import remaining
 from ember.services.kvstore.pull import PeerFetcher, file_frame
 from ember.services.kvstore.store import BlockStore, LeaseError
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -91,7 +92,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
                 codec_id = self.fetcher.codec_for(self.fetcher.peer(request.source))
                 codec_name = codec.NAMES[codec_id]
                 pulled_blocks, pulled_bytes, wire_bytes = await self._pull(request.source, missing, lease,
-                                                                           context.time_remaining(), codec_id)
+                                                                           remaining(context), codec_id)
             if waiting and not all(await asyncio.gather(*waiting)):
                 raise RpcError(grpc.StatusCode.UNAVAILABLE, "a concurrent pull of the same blocks failed")
             if pulled_bytes:

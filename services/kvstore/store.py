@@ -23,6 +23,8 @@ from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from ember.errors import InvalidRequestError
+
 
 @dataclass
 class StoreStats:
@@ -97,7 +99,8 @@ class BlockStore:
             self.slot_bytes = num_bytes
             self.free_slots = list(reversed(range(self.capacity_bytes // num_bytes)))
         if num_bytes != self.slot_bytes:
-            raise ValueError(f"block of {num_bytes} bytes does not match this store's block size {self.slot_bytes}")
+            raise InvalidRequestError(f"block of {num_bytes} bytes does not match this store's block size "
+                                      f"{self.slot_bytes}")
         if not self.free_slots:
             self.expire_leases()
             self._evict_one()

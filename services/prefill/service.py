@@ -17,6 +17,7 @@ from ember.kv.block_hash import chain_hashes
 from ember.rpc import metrics, tracing
 from ember.rpc.convert import sampling_from_pb
 from ember.rpc.errors import RpcError, require_ready
+from ember.rpc.server import remaining
 from ember.serving.messages import KVPlan
 from ember.v1 import prefill_pb2, prefill_pb2_grpc
 
@@ -42,7 +43,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
                            "prefill server's: they disagree on the model, KV dtype or block size")
         final = None
         async for out in self.engine.generate(prompt, replace(params, max_tokens=1), request.request_id, plan=self.plan,
-                                              timeout_s=context.time_remaining()):
+                                              timeout_s=remaining(context)):
             final = out
         kv = final.kv
         metrics.PREFIX_QUERIES.inc(len(prompt))

@@ -27,6 +27,7 @@ from ember.placement.policy import Load, NoCapacity, Placer, Request
 from ember.rpc import logs, metrics, tracing
 from ember.rpc.convert import sampling_from_pb, sampling_to_pb
 from ember.rpc.errors import RpcError
+from ember.rpc.server import remaining
 from ember.services.router.workers import Worker, WorkerPool
 from ember.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc
 
@@ -200,7 +201,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if emitted:  # a migrated stream: continue after what the client has
                 decode_req.output_prefix[:] = emitted
                 decode_req.prefill_here = False
-            stream = self.workers.stub(worker).Decode(decode_req, timeout=context.time_remaining())
+            stream = self.workers.stub(worker).Decode(decode_req, timeout=remaining(context))
             site = worker.site
             worker.running += 1
             self.load.decode_running[site] = self.load.decode_running.get(site, 0) + 1
@@ -228,7 +229,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     yield msg
                 return
             except grpc.aio.AioRpcError as e:
-                if not worker_failed(e) or context.time_remaining() <= 0:
+                if not worker_failed(e) or remaining(context) <= 0:
                     raise
                 self.workers.down(worker, f"decode stream broke: {e.code().name} {e.details()}")
                 failed += (worker,)
@@ -273,9 +274,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
             try:
                 return await self.workers.stub(worker).Prefill(
                     prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=pb_params,
-                                               block_hashes=hashes), timeout=context.time_remaining())
+                                               block_hashes=hashes), timeout=remaining(context))
             except grpc.aio.AioRpcError as e:
-                if not worker_failed(e) or context.time_remaining() <= 0:
+                if not worker_failed(e) or remaining(context) <= 0:
                     raise
                 self.workers.down(worker, f"prefill failed: {e.code().name} {e.details()}")
                 tried += (worker,)
