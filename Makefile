@@ -25,7 +25,7 @@ proto: venv
 	else echo "no .proto files yet"; fi
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=15
 
 lint: venv
 	$(BIN)/ruff check ember services tests

@@ -171,7 +171,7 @@ def wait_for_idle_decode(address: str, timeout_s: float = 20) -> None:
         time.sleep(0.2)
 
 
-def test_decode_refuses_a_block_made_for_another_model_and_imports_nothing(cluster, engine):
+def test_decode_refuses_a_block_made_for_another_model_imports_nothing_and_recomputes(cluster, engine):
     ids = engine.tokenizer.encode("A block forged for another model must never be imported. " * 6)
     hashes = chain_hashes(ids, 16, engine.block_manager.root_hash)[:2]
     foreign = replace(engine.frame_template, root_hash=b"\x99" * 16)  # same shapes, another model
@@ -183,9 +183,14 @@ def test_decode_refuses_a_block_made_for_another_model_and_imports_nothing(clust
     request = decode_pb2.DecodeRequest(request_id="forged", prompt_token_ids=ids, first_token=5, block_hashes=hashes,
                                        source_kvstore=cluster["kv_central"],
                                        sampling=common_pb2.SamplingParams(max_tokens=4))
-    with grpc.insecure_channel(cluster["decode"]) as ch, pytest.raises(grpc.RpcError) as e:
-        list(decode_pb2_grpc.DecodeStub(ch).Decode(request, timeout=30))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "root_hash" in e.value.details()
+    with grpc.insecure_channel(cluster["decode"]) as ch:  # kvstore.on_transfer_failure: recompute (the default)
+        out = list(decode_pb2_grpc.DecodeStub(ch).Decode(request, timeout=60))
+    rid = engine.add_request(ids, SamplingParams(max_tokens=4), output_prefix=[5])  # the same forced first token
+    want = []
+    while engine.has_unfinished():
+        want += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
+    assert [t for m in out for t in m.token_ids] == want, "the foreign blocks were refused, the prompt computed"
+    assert out[0].recomputed_tokens == len(ids) + 1 and out[0].blocks_pulled == 0
     after = decode_stats(cluster["decode"])
     assert after.used_blocks == before.used_blocks == 0 and after.running == 0
     assert kv_stats(cluster["kv_edge"]).leases == 0, "the lease was released on the error path"

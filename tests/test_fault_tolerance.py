@@ -124,7 +124,6 @@ def settle(ha, names: list[str], timeout_s: float = 90) -> None:
         assert time.monotonic() < deadline, f"not settled: {stats}, leases {leases(ha)}"
         time.sleep(0.2)
 
-
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 1234}], ids=["greedy", "seeded"])
 def test_killing_the_busiest_decode_worker_loses_no_stream_and_changes_no_token(ha, engine, sampling):
     ids = prompts(engine.tokenizer)
@@ -174,70 +173,6 @@ def test_a_stream_over_http_sse_survives_its_decode_worker(ha, engine):
     restart(ha, killed[0])
 
 
-def test_prefill_fails_over_to_the_other_worker_then_to_the_decode_site(ha, engine):
-    ids = prompts(engine.tokenizer, long=True)
-    reference = run_streams(ha["router"], ids)
-    # one prefill worker killed while the long prefills queue on both
-    started = time.monotonic()
-    victims: list[int] = []
-
-    def kill_one(counts) -> bool:
-        if time.monotonic() - started < 1.0:
-            return False
-        victims.extend(kill(ha, "prefill-central-0"))
-        return True
-    disturbed = run_streams(ha["router"], ids, during=kill_one)
-    wait_dead(victims)
-    assert [t for t, _ in disturbed] == [t for t, _ in reference]
-    # both prefill workers dead: the decode site prefills (decode-only fallback), same tokens
-    wait_dead(kill(ha, "prefill-central-1"))
-    fallback = run_streams(ha["router"], ids[:4])
-    assert [t for t, _ in fallback] == [t for t, _ in reference[:4]]
-    assert all(f.placement.prefill_fallback == "decode-only" for _, f in fallback)
-    restart(ha, "prefill-central-0")
-    restart(ha, "prefill-central-1")
-
-
-def test_with_every_decode_worker_dead_a_request_fails_fast_without_spending_prefill(ha, engine):
-    victims = kill(ha, "decode-edge-0") + kill(ha, "decode-edge-1")
-    wait_dead(victims)
-    start = time.monotonic()
-    with RouterClient(ha["router"]) as client, pytest.raises(grpc.RpcError) as e:
-        list(client.stream(text="hello there", max_tokens=8, timeout=30))
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - start < 2.0
-    restart(ha, "decode-edge-0")
-    restart(ha, "decode-edge-1")
-
-
-def test_past_the_admission_limit_requests_are_refused_at_once_with_pushback(tmp_path, model_path, engine):
-    data = yaml.safe_load((ROOT / "configs" / "local-ha.yaml").read_text())
-    data["router"]["max_inflight"] = 4
-    (tmp_path / "source.yaml").write_text(yaml.safe_dump(data))
-    config = on_free_ports(tmp_path / "source.yaml", tmp_path / "cluster.yaml", str(model_path))
-    ids = prompts(engine.tokenizer)[:1]
-    with running(tmp_path / "cluster.yaml", tmp_path, timeout_s=300):
-        reference = run_streams(config["router"]["listen"], ids)[0][0]
-        results = []
-
-        def one(i):
-            start = time.monotonic()
-            try:
-                with RouterClient(config["router"]["listen"]) as client:
-                    tokens = [t for m in client.stream(token_ids=ids[0], max_tokens=NEW_TOKENS, ignore_eos=True,
-                                                       timeout=300) for t in m.token_ids]
-                return "ok", tokens, time.monotonic() - start, None
-            except grpc.RpcError as e:
-                pushback = dict(e.trailing_metadata() or ()).get("grpc-retry-pushback-ms")
-                return e.code(), None, time.monotonic() - start, pushback
-        with ThreadPoolExecutor(20) as pool:
-            results = list(pool.map(one, range(20)))
-    accepted = [r for r in results if r[0] == "ok"]
-    refused = [r for r in results if r[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
-    assert len(accepted) + len(refused) == 20 and len(accepted) >= 4 and len(refused) >= 10
-    assert all(r[1] == reference for r in accepted), "every accepted stream is correct"
-    assert all(r[2] < 0.5 and r[3] == "1000" for r in refused), [(r[2], r[3]) for r in refused]
-
-
 def recoveries(ha) -> int:
     """Transfers the engines computed around (logged by each engine core)."""
     return sum(line.count("failed (computing") + line.count("write-back to the site kvstore failed")
@@ -267,3 +202,73 @@ def test_a_kvstore_killed_and_restarted_under_load_costs_no_request_and_no_token
     assert [t for t, _ in during] == [t for t, _ in reference_bumped] + [t for t, _ in reference[4:]]
     assert [t for t, _ in after] == [t for t, _ in reference_fresh]
     assert all(f.finished for _, f in during + after)
+
+
+def test_past_the_admission_limit_requests_are_refused_at_once_with_pushback(ha, engine, tmp_path):
+    """A second router in front of the same workers, with router.max_inflight 4."""
+    from ember.cluster.ports import free_port
+    data = yaml.safe_load((ha["run_dir"] / "cluster.yaml").read_text())
+    data["router"] = {"listen": f"127.0.0.1:{free_port()}", "max_inflight": 4, "retry_after_s": 1.0}
+    (tmp_path / "router.yaml").write_text(yaml.safe_dump(data))
+    log = tmp_path / "router.log"
+    proc = subprocess.Popen([*services(ha)["router"]["argv"][:3], "--config", str(tmp_path / "router.yaml")],
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+    router = data["router"]["listen"]
+    ids = prompts(engine.tokenizer)[:1]
+    try:
+        wait_serving(router, time.monotonic() + 120, proc, log)
+        reference = run_streams(router, ids)[0][0]
+
+        def one(i):
+            with RouterClient(router) as client:
+                grpc.channel_ready_future(client.channel).result(timeout=30)  # time the call, not the connect
+                start = time.monotonic()
+                try:
+                    tokens = [t for m in client.stream(token_ids=ids[0], max_tokens=NEW_TOKENS, ignore_eos=True,
+                                                       timeout=300) for t in m.token_ids]
+                    return "ok", tokens, time.monotonic() - start, None
+                except grpc.RpcError as e:
+                    pushback = dict(e.trailing_metadata() or ()).get("grpc-retry-pushback-ms")
+                    return e.code(), None, time.monotonic() - start, pushback
+        with ThreadPoolExecutor(20) as pool:
+            results = list(pool.map(one, range(20)))
+    finally:
+        proc.kill()
+        proc.wait(timeout=20)
+    accepted = [r for r in results if r[0] == "ok"]
+    refused = [r for r in results if r[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert len(accepted) + len(refused) == 20 and len(accepted) >= 4 and len(refused) >= 10
+    assert all(r[1] == reference for r in accepted), "every accepted stream is correct"
+    assert all(r[2] < 0.5 and r[3] == "1000" for r in refused), [(r[2], r[3]) for r in refused]
+
+
+def test_prefill_fails_over_to_the_other_worker_then_to_the_decode_site(ha, engine):
+    ids = prompts(engine.tokenizer, long=True)
+    reference = run_streams(ha["router"], ids)
+    # one prefill worker killed while the long prefills queue on both
+    started = time.monotonic()
+    victims: list[int] = []
+
+    def kill_one(counts) -> bool:
+        if time.monotonic() - started < 1.0:
+            return False
+        victims.extend(kill(ha, "prefill-central-0"))
+        return True
+    disturbed = run_streams(ha["router"], ids, during=kill_one)
+    wait_dead(victims)
+    assert [t for t, _ in disturbed] == [t for t, _ in reference]
+    # both prefill workers dead: the decode site prefills (decode-only fallback), same tokens
+    wait_dead(kill(ha, "prefill-central-1"))
+    fallback = run_streams(ha["router"], ids[:4])
+    assert [t for t, _ in fallback] == [t for t, _ in reference[:4]]
+    assert all(f.placement.prefill_fallback == "decode-only" for _, f in fallback)
+    # (left dead: the last test needs no prefill worker, and the module's cluster stops after it)
+
+
+def test_with_every_decode_worker_dead_a_request_fails_fast_without_spending_prefill(ha, engine):
+    victims = kill(ha, "decode-edge-0") + kill(ha, "decode-edge-1")
+    wait_dead(victims)
+    start = time.monotonic()
+    with RouterClient(ha["router"]) as client, pytest.raises(grpc.RpcError) as e:
+        list(client.stream(text="hello there", max_tokens=8, timeout=30))
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - start < 2.0

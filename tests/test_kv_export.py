@@ -44,8 +44,9 @@ def test_import_rejects_mismatched_hashes_and_sizes(make_engine):
     assert dst.block_manager.num_free_blocks == 32 and not dst.block_manager.cached
 
 
-def test_export_of_an_unknown_block_is_a_key_error(engine):
-    with pytest.raises(KeyError):
+def test_export_of_an_unknown_block_is_not_found(engine):
+    from ember.errors import NotFoundError
+    with pytest.raises(NotFoundError):
         engine.export_blocks([b"\x01" * 16])
 
 
