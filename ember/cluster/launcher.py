@@ -92,7 +92,8 @@ def service_commands(config: ClusterConfig, config_path: Path, run_dir: Path | N
     if relays:
         spec = (run_dir or config_path.parent) / "links.json"
         spec.write_text(json.dumps(relays, indent=1))
-        commands["links"] = ([py, "-m", "ember.cluster.wan", "--spec", str(spec)], None)
+        commands["links"] = ([py, "-m", "ember.cluster.wan", "--spec", str(spec),  # faults.json: the chaos harness
+                              "--faults", str(spec.parent / "faults.json")], None)
     for svc in services(config):
         argv = [py, "-m", f"ember.services.{svc.role}", "--config", cfg, *svc.args()]
         argv += [a for r in routes.get(svc.name, []) for a in ("--route", r)]

@@ -8,6 +8,14 @@ through its relay: router -> remote prefill/decode, kvstore -> remote kvstore (g
 data plane). Same-site traffic never crosses a relay.
 
 Spec (JSON): [{"listen": "127.0.0.1:P", "target": "127.0.0.1:Q", "rtt_ms": 40, "gbps": 1.0}, ...]
+
+Faults (the chaos harness): with `--faults FILE`, the relay re-reads FILE (JSON, {listen: mode})
+every 0.1 s and applies each link's mode to its connections, live ones included:
+- "reset": every connection is closed at once and new ones are refused (closed on accept);
+- "blackhole": bytes are accepted and dropped, nothing arrives (a peer that never answers);
+- "stall": bytes are held until the mode changes, then delivered (a frozen peer that recovers);
+- "slow": the link runs at 1/100 of its bandwidth;
+- "none" (or absent): the link as specified.
 """
 from __future__ import annotations
 
@@ -20,12 +28,38 @@ from dataclasses import dataclass
 _CHUNK = 64 * 1024
 
 
+FAULTS = ("none", "reset", "blackhole", "stall", "slow")
+SLOW_FACTOR = 100
+
+
 @dataclass(frozen=True)
 class Relay:
     listen: str
     target: str
     rtt_ms: float
     gbps: float
+
+
+class LinkState:
+    """A link's fault mode, and its open connections (closed on reset)."""
+
+    def __init__(self):
+        self.mode = "none"
+        self.writers: set[asyncio.StreamWriter] = set()
+        self.changed = asyncio.Event()
+
+    def set(self, mode: str) -> None:
+        if mode not in FAULTS:
+            raise ValueError(f"fault mode must be one of {FAULTS}, got {mode!r}")
+        if mode == self.mode:
+            return
+        self.mode = mode
+        self.changed.set()
+        self.changed = asyncio.Event()
+        if mode == "reset":
+            for w in list(self.writers):
+                w.transport.abort()  # an RST, not a clean close
+            self.writers.clear()
 
 
 def parse_routes(items: list[str]) -> dict[str, str]:
@@ -40,7 +74,7 @@ def parse_routes(items: list[str]) -> dict[str, str]:
 
 
 async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay_s: float,
-                bytes_per_s: float) -> None:
+                bytes_per_s: float, state: LinkState | None = None) -> None:
     """Copy one direction: each chunk leaves the 'wire' after its serialisation time plus the delay."""
     queue: asyncio.Queue = asyncio.Queue(maxsize=256)  # ~16 MiB in flight at most
     loop = asyncio.get_running_loop()
@@ -54,13 +88,18 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
             wait = at - loop.time()
             if wait > 0:
                 await asyncio.sleep(wait)
+            while state is not None and state.mode == "stall":
+                await state.changed.wait()
+            if state is not None and state.mode in ("blackhole", "reset"):
+                continue  # dropped on the wire
             writer.write(data)
             await writer.drain()
     sender = loop.create_task(deliver())
     wire_free = loop.time()
     try:
         while data := await reader.read(_CHUNK):
-            wire_free = max(loop.time(), wire_free) + len(data) / bytes_per_s
+            rate = bytes_per_s / SLOW_FACTOR if state is not None and state.mode == "slow" else bytes_per_s
+            wire_free = max(loop.time(), wire_free) + len(data) / rate
             await queue.put((wire_free + delay_s, data))
     except ConnectionError:
         pass
@@ -72,19 +111,28 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
             pass
 
 
-async def serve(relays: list[Relay]) -> list[asyncio.AbstractServer]:
+async def serve(relays: list[Relay], states: dict[str, LinkState] | None = None) -> list[asyncio.AbstractServer]:
+    """Start the relays; `states` (filled here, by listen address) holds each link's fault mode."""
     servers = []
+    states = {} if states is None else states
     for relay in relays:
-        async def handle(reader, writer, relay=relay):
+        state = states.setdefault(relay.listen, LinkState())
+
+        async def handle(reader, writer, relay=relay, state=state):
+            if state.mode == "reset":
+                writer.transport.abort()
+                return
             host, port = relay.target.rsplit(":", 1)
             try:
                 up_reader, up_writer = await asyncio.open_connection(host, int(port))
             except OSError:
                 writer.close()
                 return
+            state.writers.update((writer, up_writer))
             delay, rate = relay.rtt_ms / 2e3, relay.gbps * 1e9 / 8
-            await asyncio.gather(_pump(reader, up_writer, delay, rate), _pump(up_reader, writer, delay, rate),
-                                 return_exceptions=True)
+            await asyncio.gather(_pump(reader, up_writer, delay, rate, state),
+                                 _pump(up_reader, writer, delay, rate, state), return_exceptions=True)
+            state.writers.difference_update((writer, up_writer))
         host, port = relay.listen.rsplit(":", 1)
         servers.append(await asyncio.start_server(handle, host, int(port)))
     return servers
@@ -93,15 +141,29 @@ async def serve(relays: list[Relay]) -> list[asyncio.AbstractServer]:
 def main() -> None:
     p = argparse.ArgumentParser(prog="ember.cluster.wan")
     p.add_argument("--spec", required=True, help="JSON list of relays")
+    p.add_argument("--faults", help="JSON file {listen address: fault mode}, re-read every 0.1 s")
     args = p.parse_args()
     relays = [Relay(**r) for r in json.loads(open(args.spec).read())]
 
     async def run():
-        await serve(relays)
+        states: dict[str, LinkState] = {}
+        await serve(relays, states)
         print(f"{time.strftime('%H:%M:%S')} relaying {len(relays)} emulated links", flush=True)
-        await asyncio.Event().wait()
+        while True:
+            await asyncio.sleep(0.1)
+            if args.faults:
+                apply_faults(args.faults, states)
     import uvloop
     uvloop.run(run())
+
+
+def apply_faults(path: str, states: dict[str, LinkState]) -> None:
+    try:
+        wanted = json.loads(open(path).read())
+    except (OSError, ValueError):
+        return  # absent or half-written: keep the modes as they are
+    for listen, state in states.items():
+        state.set(wanted.get(listen, "none"))
 
 
 if __name__ == "__main__":
