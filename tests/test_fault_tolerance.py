@@ -182,8 +182,8 @@ def recoveries(ha) -> int:
 
 @pytest.mark.parametrize("store", ["kvstore-edge", "kvstore-central"])
 def test_a_kvstore_killed_and_restarted_under_load_costs_no_request_and_no_token(ha, engine, store):
-    ids = [engine.tokenizer.encode(f"Story {i} of {store}: " + LONG_TEXT[:700 + 30 * i]) for i in range(8)]
-    fresh = [engine.tokenizer.encode(f"Tale {i} of {store}: " + LONG_TEXT[:700 + 30 * i]) for i in range(8)]
+    ids = [engine.tokenizer.encode(f"Story {i} of {store}: " + LONG_TEXT[:500 + 30 * i]) for i in range(6)]
+    fresh = [engine.tokenizer.encode(f"Tale {i} of {store}: " + LONG_TEXT[:500 + 30 * i]) for i in range(6)]
     reference, reference_fresh = run_streams(ha["router"], ids), run_streams(ha["router"], fresh)
     before, started, victims = recoveries(ha), time.monotonic(), []
 
@@ -193,13 +193,13 @@ def test_a_kvstore_killed_and_restarted_under_load_costs_no_request_and_no_token
         victims.extend(kill(ha, store))
         return True
     bumped = [[t + 1 for t in p[:1]] + p[1:] for p in fresh]  # never seen: each needs a transfer, as the store dies
-    during = run_streams(ha["router"], bumped[:4] + ids[4:], during=kill_store)
+    during = run_streams(ha["router"], bumped[:3] + ids[3:], during=kill_store)
     wait_dead(victims)
     assert recoveries(ha) > before, "the kill hit transfers in flight, and the engines computed around them"
     restart(ha, store)
     after = run_streams(ha["router"], fresh)  # the restarted store: new arena, blocks pulled again
-    reference_bumped = run_streams(ha["router"], bumped[:4])
-    assert [t for t, _ in during] == [t for t, _ in reference_bumped] + [t for t, _ in reference[4:]]
+    reference_bumped = run_streams(ha["router"], bumped[:3])
+    assert [t for t, _ in during] == [t for t, _ in reference_bumped] + [t for t, _ in reference[3:]]
     assert [t for t, _ in after] == [t for t, _ in reference_fresh]
     assert all(f.finished for _, f in during + after)
 

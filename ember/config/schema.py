@@ -138,6 +138,8 @@ class RouterSection(Section):
     retry_after_s: float = Field(1.0, gt=0, description="the pushback a refused request is given")
     max_migrations: int = Field(2, ge=0, description="times one decode stream may move to another worker after "
                                                      "its worker failed")
+    stall_timeout_s: float = Field(30.0, gt=0, description="a decode stream silent this long counts as failed "
+                                                           "(its worker or link is stalled or blackholed): it moves")
 
     _check = field_validator("listen", "http")(lambda cls, v: v if v is None else _address(v))
 

@@ -73,6 +73,7 @@ class RouterSettings:
     max_inflight: int
     retry_after_s: float
     max_migrations: int
+    stall_timeout_s: float
     model: str
     directory: str | None    # Redis URL; None: the router hosts the in-memory directory
     directory_ttl_s: float
@@ -106,7 +107,7 @@ def engine_settings(config: ClusterConfig, role: str, site_name: str, worker: in
 def router_settings(config: ClusterConfig) -> RouterSettings:
     r = config.router
     return RouterSettings(r.listen, r.http, r.site, r.max_inflight, r.retry_after_s, r.max_migrations,
-                          str(config.model_path()), config.directory.url, config.directory.ttl_s)
+                          r.stall_timeout_s, str(config.model_path()), config.directory.url, config.directory.ttl_s)
 
 
 def service_settings(config: ClusterConfig, role: str, site: str | None = None, worker: int = 0) -> dict:

@@ -28,7 +28,8 @@ async def main(args) -> None:
         Tokenizer.from_folder(model.folder), model_id=model.model_id, max_model_len=model.max_model_len,
         vocab_size=model.vocab_size, placer=Placer(config), workers=workers,
         block_size=model.kv_layout.block_size, root_hash=root_hash(model.kv_layout), directory=directory,
-        max_inflight=s.max_inflight, max_migrations=s.max_migrations, retry_after_s=s.retry_after_s)
+        max_inflight=s.max_inflight, max_migrations=s.max_migrations, retry_after_s=s.retry_after_s,
+        stall_timeout_s=s.stall_timeout_s)
     server = Server(s.listen, [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name])
     router_pb2_grpc.add_RouterServicer_to_server(service, server.server)
     if isinstance(directory, MemoryDirectory):

@@ -44,6 +44,32 @@ def unavailable(message: str) -> RpcError:
     return RpcError(grpc.StatusCode.UNAVAILABLE, message)
 
 
+class StreamStalled(Exception):
+    """A decode stream sent nothing for router.stall_timeout_s: its worker (or the link to it) is
+    treated as failed, like a broken stream."""
+
+    def code(self):
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return str(self)
+
+
+async def _messages(stream, stall_timeout_s: float):
+    """The stream's messages; StreamStalled when, after the first, none arrives within
+    `stall_timeout_s` (the first may wait in the worker's queue or on a prefill: the deadline
+    bounds that)."""
+    it, first = stream.__aiter__(), True
+    while True:
+        try:
+            yield await asyncio.wait_for(it.__anext__(), None if first else stall_timeout_s)
+            first = False
+        except StopAsyncIteration:
+            return
+        except TimeoutError as e:
+            raise StreamStalled(f"no message for {stall_timeout_s:g} s") from e
+
+
 def worker_failed(e: grpc.aio.AioRpcError) -> bool:
     """A call failure that says the worker (or its engine) is gone, not that the request is bad."""
     return e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
@@ -52,13 +78,15 @@ def worker_failed(e: grpc.aio.AioRpcError) -> bool:
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, tokenizer: Tokenizer, model_id: str, max_model_len: int, vocab_size: int,
                  placer: Placer, workers: WorkerPool, block_size: int, root_hash: bytes, directory: BlockDirectory,
-                 max_inflight: int = 256, max_migrations: int = 2, retry_after_s: float = 1.0):
+                 max_inflight: int = 256, max_migrations: int = 2, retry_after_s: float = 1.0,
+                 stall_timeout_s: float = 30.0):
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.placer, self.workers = placer, workers
         self.max_inflight, self.max_migrations, self.retry_after_s = max_inflight, max_migrations, retry_after_s
+        self.stall_timeout_s = stall_timeout_s
         self.inflight = 0  # admitted requests not finished yet, counted at admission
         self.load = Load()  # this router's view: prefill work in flight, decodes running, per site
         self.block_size, self.root_hash = block_size, root_hash
@@ -206,7 +234,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             worker.running += 1
             self.load.decode_running[site] = self.load.decode_running.get(site, 0) + 1
             try:
-                async for d in stream:
+                async for d in _messages(stream, self.stall_timeout_s):
                     now = time.perf_counter()
                     if d.token_ids:
                         if first_at is None:  # decode-only fallback: its first token is the first token
@@ -228,8 +256,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                                                                   usage=usage, timings=timings, placement=placement))
                     yield msg
                 return
-            except grpc.aio.AioRpcError as e:
-                if not worker_failed(e) or remaining(context) <= 0:
+            except (grpc.aio.AioRpcError, StreamStalled) as e:
+                if not (isinstance(e, StreamStalled) or worker_failed(e)) or remaining(context) <= 0:
                     raise
                 self.workers.down(worker, f"decode stream broke: {e.code().name} {e.details()}")
                 failed += (worker,)
