@@ -132,12 +132,12 @@ def cmd_serve(args) -> int:
 
 
 def cmd_fetch_model(args) -> int:
-    from ember.model.fetch import DEFAULT_MODEL, MODELS, fetch_model
+    from ember.model.fetch import MODELS, fetch_model
     from ember.model.loader import ensure_gguf_cache
     if args.name not in MODELS:
         print(f"error: unknown model {args.name!r}; named models: {', '.join(MODELS)}", file=sys.stderr)
         return 2
-    path = fetch_model(args.name or DEFAULT_MODEL, Path(args.dest) if args.dest else None)
+    path = fetch_model(args.name, Path(args.dest) if args.dest else None)
     ensure_gguf_cache(path)
     print(path)
     return 0

@@ -196,6 +196,21 @@ def test_decode_refuses_a_block_made_for_another_model_imports_nothing_and_recom
     assert kv_stats(cluster["kv_edge"]).leases == 0, "the lease was released on the error path"
 
 
+def test_decode_refuses_token_ids_outside_the_vocabulary(cluster, engine):
+    """A first token or prompt token past the vocabulary is INVALID_ARGUMENT (it was INTERNAL: IndexError)."""
+    ids, vocab = engine.tokenizer.encode("hello there"), engine.loaded.args.vocab_size
+    bad = [dict(prompt_token_ids=ids, first_token=vocab), dict(prompt_token_ids=ids, output_prefix=[5, vocab + 7]),
+           dict(prompt_token_ids=ids[:1] + [vocab], first_token=5)]
+    with grpc.insecure_channel(cluster["decode"]) as ch:
+        for fields in bad:
+            request = decode_pb2.DecodeRequest(request_id="bad-token", sampling=common_pb2.SamplingParams(max_tokens=4),
+                                               **fields)
+            with pytest.raises(grpc.RpcError) as e:
+                list(decode_pb2_grpc.DecodeStub(ch).Decode(request, timeout=30))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and str(vocab) in e.value.details(), fields
+    assert decode_stats(cluster["decode"]).running == 0
+
+
 def test_pull_from_a_dead_peer_is_unavailable_not_a_hang(cluster):
     dead = f"127.0.0.1:{free_port()}"
     start = time.monotonic()

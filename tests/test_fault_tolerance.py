@@ -129,17 +129,16 @@ def test_killing_the_busiest_decode_worker_loses_no_stream_and_changes_no_token(
     ids = prompts(engine.tokenizer)
     reference = run_streams(ha["router"], ids, **sampling)
     decoders = ["decode-edge-0", "decode-edge-1"]
-    killed: list[str] = []
+    killed: dict[str, list[int]] = {}  # name -> its pids
 
     def kill_busiest(counts) -> bool:
         if min(counts) < 6:  # every stream is decoding
             return False
         busiest = max(decoders, key=lambda n: decode_stats(services(ha)[n]["address"]).running)
-        killed.append(busiest)
-        killed.extend(map(str, kill(ha, busiest)))
+        killed[busiest] = kill(ha, busiest)
         return True
     disturbed = run_streams(ha["router"], ids, during=kill_busiest, **sampling)
-    name, pids = killed[0], [int(p) for p in killed[1:]]
+    [(name, pids)] = killed.items()
     wait_dead(pids)
     assert [t for t, _ in disturbed] == [t for t, _ in reference], "every stream continued token for token"
     assert all(len(t) == NEW_TOKENS and f.finished for t, f in disturbed)

@@ -8,7 +8,7 @@ from pathlib import Path
 from ember.config.schema import ClusterConfig
 from ember.kv.block_hash import KVLayout
 from ember.model.args import read_model_args
-from ember.model.files import model_folder, resolve_serving, serving_kv_layout
+from ember.model.files import folder_fingerprint, layout_of, model_folder, resolve_serving, weights_fingerprint
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ def model_facts(config: ClusterConfig) -> ModelFacts:
     dtype, weights = resolve_serving(path, e.dtype, e.weights)
     args = read_model_args(folder)
     return ModelFacts(path, folder, folder.name.removesuffix(".ember"), dtype, weights,
-                      serving_kv_layout(path, dtype, weights, e.block_size),
+                      layout_of(args, weights_fingerprint(folder_fingerprint(folder), weights), dtype, e.block_size),
                       min(e.max_model_len or args.max_position, args.max_position), args.vocab_size)
 
 

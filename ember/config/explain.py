@@ -7,7 +7,8 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from ember.config.load import key_lines
-from ember.config.schema import ENGINE_ROLES, ClusterConfig
+from ember.config.schema import ENGINE_ROLES, ROLE_SETTINGS, ClusterConfig
+from ember.model.fetch import MODELS
 
 # Values the schema fills from other settings when the file leaves them unset.
 FILLED_FROM = {("router", "site"): "placement.decode_site (else the first site)",
@@ -23,7 +24,7 @@ def effective(config: ClusterConfig, path: str | Path) -> list[tuple[str, str, s
     name = Path(path).name
     rows: list[tuple[str, str, str]] = []
 
-    def source(keys: tuple, default) -> str:
+    def source(keys: tuple) -> str:
         if keys in lines:
             return f"{name}:{lines[keys]}"
         for tail, why in FILLED_FROM.items():
@@ -42,27 +43,21 @@ def effective(config: ClusterConfig, path: str | Path) -> list[tuple[str, str, s
             for k, item in value.items():
                 walk(item, keys + (k,))
         else:
-            rows.append((".".join(str(k) for k in keys), _show(value), source(keys, value)))
+            rows.append((".".join(str(k) for k in keys), _show(value), source(keys)))
     walk(config, ())
     for i, (key, value, src) in enumerate(rows):
         if key.startswith("hardware.default.") and src == "default":
             rows[i] = (key, value, "built-in CPU profile")
     rows.insert(1, ("model (resolved)", str(config.model_path()),
-                    "named model: the user cache" if config.model in _named() else "relative to the config file"))
+                    "named model: the user cache" if config.model in MODELS else "relative to the config file"))
     rows += _derived(config)
     for role in ENGINE_ROLES:
         if any(s.has(role) for s in config.sites):
             per_role = config.engine.for_role(role)
-            for field in ("kv_cache_mb", "kv_cache_memory_fraction", "max_num_seqs", "max_num_batched_tokens",
-                          "threads"):
+            for field in ROLE_SETTINGS:
                 if getattr(getattr(config.engine, role), field) is not None:
                     rows.append((f"{role} engine: {field}", _show(getattr(per_role, field)), f"engine.{role}.{field}"))
     return rows
-
-
-def _named():
-    from ember.model.fetch import MODELS
-    return MODELS
 
 
 def _derived(config: ClusterConfig) -> list[tuple[str, str, str]]:

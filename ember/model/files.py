@@ -116,12 +116,3 @@ def layout_of(args, fingerprint: str, dtype: str, block_size: int):
     """The KV layout an engine serving a model of shape `args` (ember.model.args.ModelArgs) writes."""
     from ember.kv.block_hash import KVLayout
     return KVLayout(fingerprint, dtype, block_size, args.num_layers, args.num_kv_heads, args.head_dim)
-
-
-def serving_kv_layout(path: str | Path, dtype: str, weights: str, block_size: int):
-    """The same layout, read from the model's files without loading it (the router, the config's
-    derived values). `dtype` and `weights` as resolved by resolve_serving."""
-    from ember.model.args import read_model_args
-    folder = model_folder(path)
-    return layout_of(read_model_args(folder), weights_fingerprint(folder_fingerprint(folder), weights), dtype,
-                     block_size)

@@ -33,9 +33,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         # what the client has already: nothing (decode-only fallback), the prefill's first token,
         # or everything a failed decode worker streamed before it died (a migrated stream)
         prefix = [] if request.prefill_here else list(request.output_prefix) or [request.first_token]
-        if not prompt:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "prompt_token_ids is empty")
-        bad = next((t for t in prompt + prefix if t >= info.vocab_size), None)
+        bad = next((t for t in prefix if t >= info.vocab_size), None)  # (the engine checks the prompt's)
         if bad is not None:
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
                            f"token id {bad} is outside the vocabulary [0, {info.vocab_size})")
