@@ -21,6 +21,7 @@ import yaml
 from ember.client import RouterClient
 from ember.cluster.launcher import running, wait_serving
 from ember.cluster.ports import on_free_ports
+from ember.cluster.status import scrape
 from ember.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 from tests.conftest import LONG_TEXT, PROMPTS
 
@@ -63,6 +64,19 @@ def restart(ha, name: str) -> None:
     pids[name] = proc.pid
     (ha["run_dir"] / "pids.json").write_text(json.dumps(pids))
     wait_serving(info["address"], time.monotonic() + 240, proc, log)
+    if info["role"] in ("prefill", "decode"):
+        wait_router_sees(ha, info, live=True)
+
+
+def wait_router_sees(ha, info: dict, live: bool, timeout_s: float = 10) -> None:
+    """Until the router's /metrics count the worker at `info` live (or down); a restarted worker
+    is back in its pool within a reconnect backoff (at most 1 s) plus a health poll."""
+    router = services(ha)["router"]["metrics"]
+    key = f'ember:worker_live{{address="{info["address"]}",role="{info["role"]}",site="{info["site"]}"}}'
+    deadline = time.monotonic() + timeout_s
+    while scrape(router).get(key) != float(live):
+        assert time.monotonic() < deadline, f"the router never counted {info['address']} {'live' if live else 'down'}"
+        time.sleep(0.1)
 
 
 def wait_dead(pids: list[int], timeout_s: float = 30) -> None:

@@ -57,6 +57,28 @@ class _StoreCollector:
             yield GaugeMetricFamily(name, doc, value=value)
 
 
+class _WorkerCollector:
+    def __init__(self, pool):
+        self.pool = pool
+
+    def collect(self):
+        live = GaugeMetricFamily("ember:worker_live", "1 while the router counts the worker live (health SERVING)",
+                                 labels=["role", "site", "address"])
+        running = GaugeMetricFamily("ember:worker_running", "This router's calls in flight on the worker",
+                                    labels=["role", "site", "address"])
+        for workers in self.pool.workers.values():
+            for w in workers:
+                live.add_metric([w.role, w.site, w.address], int(w.live))
+                running.add_metric([w.role, w.site, w.address], w.running)
+        yield live
+        yield running
+
+
+def watch_workers(pool) -> None:
+    """The router's view of its prefill and decode workers, read at scrape time."""
+    REGISTRY.register(_WorkerCollector(pool))
+
+
 def watch_engine(client) -> None:
     """Engine gauges from the latest snapshot the engine core sent (no round trip per scrape)."""
     RUNNING.set_function(lambda: client.snapshot.running)

@@ -35,6 +35,7 @@ async def main(args) -> None:
     if isinstance(directory, MemoryDirectory):
         directory_pb2_grpc.add_BlockDirectoryServicer_to_server(DirectoryService(directory), server.server)
     http = await openai_http.serve(service, s.http) if s.http else None
+    metrics.watch_workers(workers)
     metrics.serve(args.metrics_listen)
     workers.start()
 
