@@ -14,6 +14,7 @@ from ember.rpc.server import Server, run_service
 from ember.services.common import service_args
 from ember.services.router import openai_http
 from ember.services.router.service import RouterService
+from ember.services.router.shared_view import SharedWorkerView
 from ember.services.router.workers import WorkerPool
 from ember.v1 import directory_pb2_grpc, router_pb2, router_pb2_grpc
 
@@ -23,7 +24,9 @@ async def main(args) -> None:
     model = model_facts(config)  # the KV layout every engine of the cluster writes, read from the model's files
     # Redis when configured; otherwise this router hosts an in-memory directory the kvstores publish to
     directory = RedisDirectory(s.directory, s.directory_ttl_s) if s.directory else MemoryDirectory(s.directory_ttl_s)
-    workers = WorkerPool(config, parse_routes(args.route))
+    # several routers behind one balancer share worker load and down reports through that Redis
+    shared = SharedWorkerView(s.directory, name=f"router@{s.listen}") if s.directory else None
+    workers = WorkerPool(config, parse_routes(args.route), shared)
     service = RouterService(
         Tokenizer.from_folder(model.folder), model_id=model.model_id, max_model_len=model.max_model_len,
         vocab_size=model.vocab_size, placer=Placer(config), workers=workers,

@@ -4,8 +4,9 @@ how many of this router's calls it is running.
 A worker is live while its `grpc.health.v1` status is SERVING. The router polls each worker
 (`watch`, every `HEALTH_POLL_S`) and marks one down at once when a call to it fails with
 UNAVAILABLE (`down`); only a later SERVING health answer brings it back. Placement picks the
-least-loaded live worker of a site (`pick`). Channels go through the emulated link when one is
-configured (`routes`: true address -> relay address).
+least-loaded live worker of a site (`pick`), counting the other routers' calls too when they
+share a Redis (`shared`: ember.services.router.shared_view). Channels go through the emulated
+link when one is configured (`routes`: true address -> relay address).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ember.config.schema import ClusterConfig
 from ember.rpc.server import channel
+from ember.services.router.shared_view import SharedWorkerView
 from ember.v1 import decode_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger("ember.router")
@@ -34,6 +36,7 @@ class Worker:
     index: int
     live: bool = True        # until the first health answer says otherwise
     running: int = 0         # this router's calls in flight on it
+    others_running: int = 0  # the other routers' (shared view; 0 without one)
     failures: int = 0
     _channel: grpc.aio.Channel | None = field(default=None, repr=False)
     _stub: object = field(default=None, repr=False)
@@ -44,8 +47,10 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, config: ClusterConfig, routes: dict[str, str] | None = None):
+    def __init__(self, config: ClusterConfig, routes: dict[str, str] | None = None,
+                 shared: SharedWorkerView | None = None):
         self.routes = routes or {}
+        self.shared = shared
         self.workers: dict[tuple[str, str], list[Worker]] = {}
         for site in config.sites:
             for role in STUBS:
@@ -73,16 +78,33 @@ class WorkerPool:
     def pick(self, role: str, site: str, exclude: tuple[Worker, ...] = ()) -> Worker | None:
         """The least-loaded live `role` worker at `site` not in `exclude`, or None."""
         candidates = [w for w in self.live(role, site) if w not in exclude]
-        return min(candidates, key=lambda w: (w.running, w.index)) if candidates else None
+        return min(candidates, key=lambda w: (w.running + w.others_running, w.index)) if candidates else None
 
     def sites_with_live(self, role: str) -> list[str]:
         return [site for (r, site), workers in self.workers.items() if r == role and any(w.live for w in workers)]
 
-    def down(self, worker: Worker, why: str) -> None:
+    def down(self, worker: Worker, why: str, announce: bool = True) -> None:
         worker.failures += 1
         if worker.live:
             log.warning("%s marked down: %s", worker.name, why)
+            if announce and self.shared is not None:
+                asyncio.get_running_loop().create_task(self.shared.announce_down(worker.address))
         worker.live = False
+
+    def _reported_down(self, address: str, reporter: str) -> None:
+        for worker in self.everyone():
+            if worker.address == address:
+                self.down(worker, f"reported down by {reporter}", announce=False)
+
+    def everyone(self) -> list[Worker]:
+        return [w for ws in self.workers.values() for w in ws]
+
+    async def share_load(self) -> None:
+        """Publish this router's calls per worker and take in the other routers'."""
+        others = await self.shared.sync({w.address: w.running for w in self.everyone()})
+        if others is not None:
+            for w in self.everyone():
+                w.others_running = others.get(w.address, 0)
 
     # -- health ----------------------------------------------------------------------------
     async def check(self, worker: Worker) -> None:
@@ -97,8 +119,7 @@ class WorkerPool:
         worker.live = serving
 
     async def check_all(self, role: str | None = None) -> None:
-        await asyncio.gather(*(self.check(w) for (r, _), ws in self.workers.items() for w in ws
-                               if role is None or r == role))
+        await asyncio.gather(*(self.check(w) for w in self.everyone() if role is None or w.role == role))
 
     async def pick_or_recheck(self, role: str, site: str, exclude: tuple[Worker, ...] = ()) -> Worker | None:
         """`pick`, and when nothing is live, ask every `role` worker's health now and pick again (a
@@ -113,13 +134,18 @@ class WorkerPool:
         async def loop():
             while True:
                 await self.check_all()
+                if self.shared is not None:
+                    await self.share_load()
                 await asyncio.sleep(HEALTH_POLL_S)
         self._watch = asyncio.get_running_loop().create_task(loop())
+        if self.shared is not None:
+            self.shared.listen(self._reported_down)
 
     async def close(self) -> None:
         if self._watch is not None:
             self._watch.cancel()
-        for ws in self.workers.values():
-            for w in ws:
-                if w._channel is not None:
-                    await w._channel.close()
+        if self.shared is not None:
+            await self.shared.close()
+        for w in self.everyone():
+            if w._channel is not None:
+                await w._channel.close()

@@ -1,0 +1,141 @@
+"""Several routers share worker load and down reports through a real redis-server: a router
+places away from a worker another router keeps busy, hears at once of a worker another router
+found dead (the worker's own health still decides when it is back), and keeps routing on its
+own view when Redis dies. The workers are real gRPC health servers; the routers' pools are the
+product's WorkerPool (torch-free)."""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ember.config.load import config_from_dict
+from ember.services.router.shared_view import DOWN_CHANNEL, SharedWorkerView
+from ember.services.router.workers import WorkerPool
+from tests.cluster_fixture import free_port
+from tests.redis_fixture import RedisServer
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    server = RedisServer(free_port(), tmp_path).start()
+    yield server
+    server.stop()
+
+
+async def health_server(address: str) -> grpc.aio.Server:
+    server = grpc.aio.server()
+    servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    await servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    server.add_insecure_port(address)
+    await server.start()
+    return server
+
+
+def two_decode_workers() -> tuple:
+    addresses = [f"127.0.0.1:{free_port()}" for _ in range(2)]
+    config = config_from_dict({"model": "unused", "sites": [
+        {"name": "edge", "decode": addresses, "kvstore": "127.0.0.1:1"}]}, Path("."))
+    return config, addresses
+
+
+async def until(condition, timeout_s: float = 5.0, what: str = "condition") -> float:
+    """Seconds until `condition()` held; fails past the deadline."""
+    start = time.monotonic()
+    while not condition():
+        assert time.monotonic() - start < timeout_s, f"{what} not within {timeout_s} s"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - start
+
+
+def run(coro):
+    asyncio.run(asyncio.wait_for(coro, 60))
+
+
+def test_a_router_places_away_from_a_worker_another_router_keeps_busy(redis_server):
+    async def go():
+        config, addresses = two_decode_workers()
+        servers = [await health_server(a) for a in addresses]
+        a = WorkerPool(config, shared=SharedWorkerView(redis_server.url, "a"))
+        b = WorkerPool(config, shared=SharedWorkerView(redis_server.url, "b"))
+        lone = WorkerPool(config)  # no shared view: sees only its own calls
+        try:
+            for pool in (a, b, lone):
+                pool.start()
+            busy = a.all("decode", "edge")[0]
+            busy.running = 3  # router a has three streams on worker 0
+            await until(lambda: b.all("decode", "edge")[0].others_running == 3, what="b hears a's load")
+            assert b.pick("decode", "edge").address == addresses[1]
+            assert lone.pick("decode", "edge").address == addresses[0], "without sharing, worker 0 looks idle"
+            busy.running = 0
+            await until(lambda: b.all("decode", "edge")[0].others_running == 0, what="a's load drains")
+            await a.close()
+            a = None
+            # a closed router's load is gone at once, not only after its key expires
+            assert await b.shared.sync({}) == {}
+        finally:
+            for pool in (a, b, lone):
+                if pool is not None:
+                    await pool.close()
+            for s in servers:
+                await s.stop(None)
+    run(go())
+
+
+def test_a_worker_one_router_finds_dead_is_down_at_the_others_before_their_next_poll(redis_server):
+    async def go():
+        config, addresses = two_decode_workers()
+        servers = [await health_server(a) for a in addresses]
+        a = WorkerPool(config, shared=SharedWorkerView(redis_server.url, "a"))
+        b = WorkerPool(config, shared=SharedWorkerView(redis_server.url, "b"))
+        try:
+            for pool in (a, b):
+                pool.start()
+            async def subscribers() -> int:  # pub/sub delivers only to current subscribers
+                return dict(await a.shared.redis.pubsub_numsub(DOWN_CHANNEL)).get(DOWN_CHANNEL.encode(), 0)
+            deadline = time.monotonic() + 5
+            while await subscribers() < 2:
+                assert time.monotonic() < deadline, "both routers subscribe"
+                await asyncio.sleep(0.02)
+            at_b = b.all("decode", "edge")[1]
+            await until(lambda: at_b.live, what="worker 1 live at b")
+            a.down(a.all("decode", "edge")[1], "Decode failed: UNAVAILABLE")
+            heard = await until(lambda: at_b.failures == 1, what="b hears of the failure")
+            assert heard < 0.25, f"pub/sub, not b's own 0.5 s health poll: {heard:.3f} s"
+            # the worker still answers SERVING: its own health brings it back at both routers
+            await until(lambda: at_b.live and a.all("decode", "edge")[1].live, what="health restores it")
+        finally:
+            for pool in (a, b):
+                await pool.close()
+            for s in servers:
+                await s.stop(None)
+    run(go())
+
+
+def test_with_redis_dead_each_router_keeps_routing_on_its_own_view(redis_server):
+    async def go():
+        config, addresses = two_decode_workers()
+        servers = [await health_server(a) for a in addresses]
+        a = WorkerPool(config, shared=SharedWorkerView(redis_server.url, "a"))
+        try:
+            a.start()
+            await a.share_load()
+            redis_server.stop()
+            started = time.monotonic()
+            await a.share_load()  # a dead Redis: a warning, no error, bounded by the socket timeout
+            assert time.monotonic() - started < 2.0
+            a.all("decode", "edge")[0].running = 2
+            assert a.pick("decode", "edge").address == addresses[1]
+            a.down(a.all("decode", "edge")[1], "test")  # announcing to a dead Redis must not raise
+            await asyncio.sleep(0)
+            assert a.pick("decode", "edge").address == addresses[0]
+        finally:
+            await a.close()
+            for s in servers:
+                await s.stop(None)
+    run(go())
