@@ -22,9 +22,9 @@ SIZE = wire.frame_bytes(2 * 2 * 2 * 16 * 4 * 2)  # tests.test_kv_wire.LAYOUT
 
 
 @asynccontextmanager
-async def kvstore(num_blocks: int, codec_mode: str = "raw"):
+async def kvstore(num_blocks: int, codec_mode: str = "raw", max_lease_s: float = 30.0):
     """A real grpc.aio KVStore server with its TCP data plane; yields (service, stub, address)."""
-    store = BlockStore(num_blocks * SIZE)
+    store = BlockStore(num_blocks * SIZE, max_lease_s=max_lease_s)
     data = await transfer.serve("127.0.0.1", 0, store.pinned)
     service = KVStoreService(store, f"127.0.0.1:{data.sockets[0].getsockname()[1]}", codec_mode)
     server = grpc.aio.server(interceptors=[ErrorInterceptor()])
@@ -43,6 +43,16 @@ async def kvstore(num_blocks: int, codec_mode: str = "raw"):
 
 def run(coro):
     asyncio.run(asyncio.wait_for(coro, 60))
+
+
+async def until(condition, stub, deadline_s: float) -> kvstore_pb2.StatsResponse:
+    """The store's Stats once `condition(stats)` holds; fails after `deadline_s`."""
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + deadline_s
+    while not condition(stats := await stub.Stats(kvstore_pb2.StatsRequest())):
+        assert loop.time() < give_up, f"not reached within {deadline_s} s: {stats}"
+        await asyncio.sleep(0.02)
+    return stats
 
 
 def put_request(blocks):
@@ -126,13 +136,40 @@ def test_an_expired_lease_is_failed_precondition_not_silence():
             lease = await stub.Acquire(kvstore_pb2.AcquireRequest(block_hashes=[h, b"\x07" * 16], lease_s=0.2))
             assert list(lease.present) == [True, False] and lease.frame_bytes == SIZE
             assert (await stub.Stats(kvstore_pb2.StatsRequest())).pinned_blocks == 1
-            await stub.Renew(kvstore_pb2.LeaseRequest(lease_id=lease.lease_id, lease_s=0.2))
-            await asyncio.sleep(0.3)
+            renewed = await stub.Renew(kvstore_pb2.LeaseRequest(lease_id=lease.lease_id, lease_s=0.2))
+            assert renewed.expires_in_s == pytest.approx(0.2)
+            stats = await until(lambda s: s.leases == 0, stub, deadline_s=5)  # the TTL ran out
+            assert stats.pinned_blocks == 0 and stats.leases_expired == 1 and stats.leases_renewed == 1
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.Release(kvstore_pb2.LeaseRequest(lease_id=lease.lease_id))
             assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "expired" in e.value.details()
             stats = await stub.Stats(kvstore_pb2.StatsRequest())
             assert stats.pinned_blocks == 0 and stats.leases == 0 and stats.leases_expired == 1
+    run(go())
+
+
+def test_lease_s_is_bounded_by_the_store_and_nonsense_is_invalid_argument():
+    async def go():
+        async with kvstore(4, max_lease_s=2.0) as (svc, stub, _):
+            h, f = frame(0)
+            svc.store.put(h, f)
+            lease = await stub.Acquire(kvstore_pb2.AcquireRequest(block_hashes=[h], lease_s=3600))
+            assert lease.expires_in_s == pytest.approx(2.0, abs=0.05), "granted the store's maximum"
+            renewed = await stub.Renew(kvstore_pb2.LeaseRequest(lease_id=lease.lease_id, lease_s=1e9))
+            assert renewed.expires_in_s == 2.0
+            assert (await stub.Stats(kvstore_pb2.StatsRequest())).max_lease_s == 2.0
+            for bad in (0, -1, float("nan")):
+                for call in (stub.Acquire(kvstore_pb2.AcquireRequest(block_hashes=[h], lease_s=bad)),
+                             stub.Renew(kvstore_pb2.LeaseRequest(lease_id=lease.lease_id, lease_s=bad))):
+                    with pytest.raises(grpc.aio.AioRpcError) as e:
+                        await call
+                    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "lease_s" in e.value.details()
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                await stub.Pull(kvstore_pb2.PullRequest(block_hashes=[h], lease_s=-1))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            await stub.Release(kvstore_pb2.LeaseRequest(lease_id=lease.lease_id))
+            stats = await stub.Stats(kvstore_pb2.StatsRequest())
+            assert stats.leases == 0 and stats.pinned_blocks == 0
     run(go())
 
 

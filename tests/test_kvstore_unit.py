@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from ember.errors import InvalidRequestError
 from ember.kv import codec, transfer, wire
 from ember.kv.chunks import Assembler, split
 from ember.services.kvstore.pull import Peer, PeerFetcher
@@ -161,6 +162,34 @@ def test_leases_pin_until_released_and_expiry_is_a_clear_error():
     held = store.acquire([block(2)[0]], ttl_s=5)
     store.release_lease(held.lease_id)
     assert not store.pins and not store.leases
+
+
+def test_a_held_lease_outlives_its_ttl_and_its_ttl_runs_from_the_hold_s_end():
+    clock = Clock()
+    store = BlockStore(2 * BLOCK, clock=clock, max_lease_s=2)
+    store.put(*block(0))
+    lease = store.acquire([block(0)[0]], ttl_s=60)
+    assert lease.ttl_s == 2 and lease.expires_at == 2, "bounded by max_lease_s"
+    with store.held(lease.lease_id):
+        clock.now = 50  # a pull across a slow link still filling it
+        assert store.expire_leases() == 0 and block(0)[0] in store.pins
+    assert lease.expires_at == 52
+    clock.now = 51
+    store.renew(lease.lease_id, ttl_s=1)
+    clock.now = 52.5
+    assert store.expire_leases() == 1 and not store.pins and store.stats.leases_renewed == 1
+
+
+def test_lease_times_must_be_positive_and_the_maximum_is_sane():
+    store = BlockStore(2 * BLOCK, max_lease_s=5)
+    for bad in (0, -1, float("nan")):
+        with pytest.raises(InvalidRequestError, match="lease_s"):
+            store.acquire([], ttl_s=bad)
+    assert store.granted_ttl(float("inf")) == 5 and store.granted_ttl(0.5) == 0.5
+    for bad in (0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="max_lease_s"):
+            BlockStore(BLOCK, max_lease_s=bad)
+    assert not store.leases
 
 
 def test_store_reports_adds_and_evictions_to_its_listener():

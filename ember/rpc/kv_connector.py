@@ -5,8 +5,10 @@ connector's own thread (an asyncio loop with one gRPC channel), and the core pol
 futures it gets back between steps. Loading leases the blocks (pulling them from another
 site's store first when asked), reads their frames (the store's shared memory on the same
 host, gRPC otherwise) and verifies each one against the engine's layout, model and
-checksum; the core copies them into its pool and then releases the lease. Storing sends
-frames with the raw bulk Put (the store verifies them again and skips what it holds).
+checksum; the core copies them into its pool and then releases the lease, which the
+connector's loop renews until then (SiteKV), however long the core takes to get to it.
+Storing sends frames with the raw bulk Put (the store verifies them again and skips what it
+holds).
 """
 from __future__ import annotations
 
@@ -59,6 +61,10 @@ class KVConnector:
     def blocks_grpc(self) -> int:
         return self._kv.blocks_grpc
 
+    @property
+    def leases_renewed(self) -> int:
+        return self._kv.renewals
+
     def load(self, hashes: list[bytes], pull_from: str, timeout: float | None,
              trace_context: dict[str, str] | None = None) -> concurrent.futures.Future:
         """Lease (after pulling from `pull_from`, when given) and read the blocks the store has."""
@@ -97,6 +103,8 @@ class KVConnector:
 
     def close(self) -> None:
         async def shut():
+            for lease_id in self._kv.leases_renewing:  # what was never released ends now, not at its TTL
+                await self._kv.release(lease_id, check=False)
             await self._kv.channel.close()
         try:
             self._submit(shut()).result(timeout=5)

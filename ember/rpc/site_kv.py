@@ -7,8 +7,16 @@ KV that decode pulled there). Every frame is checked against the engine's own la
 model (INVALID_ARGUMENT) and checksum (DATA_LOSS) before import; a lease that expired
 before the copy ends the request with DATA_LOSS rather than run on bytes that may have
 changed.
+
+Every lease this gets (from Pull or Acquire) is renewed every third of its granted time to
+live until `release` ends it, however long the frames take to read and import; renewal
+stops on release, when the store no longer knows the lease, or after MAX_HOLD_S. A holder
+that dies renews nothing, and the store's TTL frees its blocks.
 """
 from __future__ import annotations
+
+import asyncio
+import logging
 
 import grpc
 
@@ -17,7 +25,11 @@ from ember.kv.shm import ArenaReader
 from ember.rpc.errors import RpcError
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-LEASE_S = 30.0
+LEASE_S = 15.0      # asked for; the store grants at most its kvstore.max_lease_s
+MAX_HOLD_S = 900.0  # renewal gives up after this (a holder that never releases is a bug)
+_MIN_RENEW_S = 0.05
+
+log = logging.getLogger("ember.site_kv")
 
 
 class SiteKV:
@@ -28,6 +40,8 @@ class SiteKV:
         self.arena: ArenaReader | None = None
         self._arena_checked = False
         self.blocks_shared_memory = self.blocks_grpc = 0
+        self.renewals = 0
+        self._renewing: dict[int, asyncio.Task] = {}  # lease id -> its renewal loop
 
     async def _arena(self, store_id: bytes = b"") -> ArenaReader | None:
         """The kvstore's arena when it shares this host (asked once per store process: a lease
@@ -45,13 +59,50 @@ class SiteKV:
         return self.arena
 
     async def pull(self, hashes: list[bytes], source: str, timeout: float | None) -> kvstore_pb2.PullResponse:
-        """Bring the blocks here from `source` (only those missing cross) and lease them all."""
-        return await self.stub.Pull(kvstore_pb2.PullRequest(block_hashes=hashes, source=source, lease_s=LEASE_S),
-                                    timeout=timeout)
+        """Bring the blocks here from `source` (only those missing cross) and lease them all
+        (renewed until `release`)."""
+        response = await self.stub.Pull(kvstore_pb2.PullRequest(block_hashes=hashes, source=source,
+                                                                lease_s=LEASE_S), timeout=timeout)
+        self._keep(response.lease)
+        return response
 
     async def acquire(self, hashes: list[bytes], timeout: float | None) -> kvstore_pb2.LeaseResponse:
-        return await self.stub.Acquire(kvstore_pb2.AcquireRequest(block_hashes=hashes, lease_s=LEASE_S),
-                                       timeout=timeout)
+        """Lease the blocks the store holds (renewed until `release`)."""
+        lease = await self.stub.Acquire(kvstore_pb2.AcquireRequest(block_hashes=hashes, lease_s=LEASE_S),
+                                        timeout=timeout)
+        self._keep(lease)
+        return lease
+
+    def _keep(self, lease: kvstore_pb2.LeaseResponse) -> None:
+        if lease.lease_id and lease.lease_id not in self._renewing:
+            task = asyncio.get_running_loop().create_task(self._renew_until_released(lease.lease_id,
+                                                                                     lease.expires_in_s))
+            self._renewing[lease.lease_id] = task
+            task.add_done_callback(lambda _, lease_id=lease.lease_id: self._renewing.pop(lease_id, None))
+
+    async def _renew_until_released(self, lease_id: int, granted_s: float) -> None:
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + MAX_HOLD_S
+        while True:
+            every = max(_MIN_RENEW_S, (granted_s or LEASE_S) / 3)
+            await asyncio.sleep(every)
+            if loop.time() > give_up_at:
+                log.warning("lease %d held for over %.0f s without release: no longer renewed", lease_id, MAX_HOLD_S)
+                return
+            try:
+                renewed = await self.stub.Renew(kvstore_pb2.LeaseRequest(lease_id=lease_id, lease_s=LEASE_S),
+                                                timeout=every)
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                    log.warning("lease %d could not be renewed: %s", lease_id, e.details())
+                    return  # expired or unknown (a restarted store): release reports it to the caller
+                continue  # the store is unreachable for now: try again within the time granted
+            self.renewals += 1
+            granted_s = renewed.expires_in_s
+
+    @property
+    def leases_renewing(self) -> list[int]:
+        return list(self._renewing)
 
     async def payloads(self, hashes: list[bytes], lease: kvstore_pb2.LeaseResponse, expect: wire.FrameHeader,
                        timeout: float | None) -> dict[bytes, memoryview]:
@@ -72,6 +123,9 @@ class SiteKV:
         """End a lease; with `check`, a lease that expired first is DATA_LOSS for the caller."""
         if not lease_id:
             return
+        renewal = self._renewing.pop(lease_id, None)
+        if renewal is not None:
+            renewal.cancel()
         try:
             await self.stub.Release(kvstore_pb2.LeaseRequest(lease_id=lease_id), timeout=5)
         except grpc.aio.AioRpcError as e:

@@ -1,4 +1,10 @@
-"""KVStore servicer: lookup, chunked put/get, pull-from-peer, leases, stats."""
+"""KVStore servicer: lookup, chunked put/get, pull-from-peer, leases, stats.
+
+Leases: a requested lease_s above the store's max_lease_s (`kvstore.max_lease_s`) is
+granted as max_lease_s, never refused; every LeaseResponse's expires_in_s says what was
+granted, and holders renew within it (ember.rpc.site_kv). A Pull's lease is held open by the
+Pull itself while blocks cross a slow link; its TTL starts when the Pull answers.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -6,6 +12,7 @@ import time
 
 import grpc
 
+from ember.errors import InvalidRequestError
 from ember.kv import codec
 from ember.kv.chunks import Assembler, split
 from ember.rpc import metrics, tracing
@@ -77,42 +84,49 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
                 yield kvstore_pb2.BlockChunk(block_hash=block_hash, block_bytes=total, offset=offset, data=data)
 
     async def Pull(self, request, context):
-        start = time.perf_counter()
         hashes = list(dict.fromkeys(request.block_hashes))
+        if not request.lease_s >= 0:  # NaN too
+            raise InvalidRequestError(f"lease_s must be >= 0 (0: no lease), got {request.lease_s}")
+        if request.lease_s == 0:
+            return await self._pull_blocks(request, hashes, None, context)
         # lease first, so blocks already here cannot be evicted by this very pull
-        lease = self.store.acquire(hashes, request.lease_s) if request.lease_s > 0 else None
+        lease = self.store.acquire(hashes, request.lease_s)
+        try:
+            with self.store.held(lease.lease_id):  # however long the transfer takes
+                response = await self._pull_blocks(request, hashes, lease, context)
+                for h in hashes:  # blocks another pull brought in while we waited
+                    if h not in lease.block_hashes:
+                        self.store.add_to_lease(lease.lease_id, h)
+            response.lease.CopyFrom(self._lease_pb(lease.lease_id, hashes))  # its TTL runs from now
+            return response
+        except BaseException:
+            if lease.lease_id in self.store.leases:
+                self.store.release_lease(lease.lease_id)
+            raise
+
+    async def _pull_blocks(self, request, hashes: list[bytes], lease, context) -> kvstore_pb2.PullResponse:
+        start = time.perf_counter()
         missing = [h for h in hashes if h not in self.store and h not in self._inflight]
         waiting = [self._inflight[h] for h in hashes if h in self._inflight]
         pulled_blocks = pulled_bytes = wire_bytes = 0
         codec_name = "raw"
-        try:
-            if missing:
-                if not request.source:
-                    raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "source is required to pull missing blocks")
-                codec_id = self.fetcher.codec_for(self.fetcher.peer(request.source))
-                codec_name = codec.NAMES[codec_id]
-                pulled_blocks, pulled_bytes, wire_bytes = await self._pull(request.source, missing, lease,
-                                                                           remaining(context), codec_id)
-            if waiting and not all(await asyncio.gather(*waiting)):
-                raise RpcError(grpc.StatusCode.UNAVAILABLE, "a concurrent pull of the same blocks failed")
-            if pulled_bytes:
-                metrics.KV_PULL_THROUGHPUT.observe(pulled_bytes / max(1e-9, time.perf_counter() - start))
-            tracing.annotate(source=request.source, blocks_requested=len(hashes), blocks_pulled=pulled_blocks,
-                             bytes_pulled=pulled_bytes, wire_bytes=wire_bytes, codec=codec_name,
-                             seconds=time.perf_counter() - start)
-            response = kvstore_pb2.PullResponse(blocks_pulled=pulled_blocks, bytes_pulled=pulled_bytes,
-                                                blocks_present=len(hashes) - pulled_blocks, wire_bytes=wire_bytes,
-                                                codec=codec_name, seconds=time.perf_counter() - start)
-            if lease is not None:
-                for h in hashes:  # blocks another pull brought in while we waited
-                    if h not in lease.block_hashes:
-                        self.store.add_to_lease(lease.lease_id, h)
-                response.lease.CopyFrom(self._lease_pb(lease.lease_id, hashes))
-            return response
-        except BaseException:
-            if lease is not None and lease.lease_id in self.store.leases:
-                self.store.release_lease(lease.lease_id)
-            raise
+        if missing:
+            if not request.source:
+                raise InvalidRequestError("source is required to pull missing blocks")
+            codec_id = self.fetcher.codec_for(self.fetcher.peer(request.source))
+            codec_name = codec.NAMES[codec_id]
+            pulled_blocks, pulled_bytes, wire_bytes = await self._pull(request.source, missing, lease,
+                                                                       remaining(context), codec_id)
+        if waiting and not all(await asyncio.gather(*waiting)):
+            raise RpcError(grpc.StatusCode.UNAVAILABLE, "a concurrent pull of the same blocks failed")
+        if pulled_bytes:
+            metrics.KV_PULL_THROUGHPUT.observe(pulled_bytes / max(1e-9, time.perf_counter() - start))
+        tracing.annotate(source=request.source, blocks_requested=len(hashes), blocks_pulled=pulled_blocks,
+                         bytes_pulled=pulled_bytes, wire_bytes=wire_bytes, codec=codec_name,
+                         seconds=time.perf_counter() - start)
+        return kvstore_pb2.PullResponse(blocks_pulled=pulled_blocks, bytes_pulled=pulled_bytes,
+                                        blocks_present=len(hashes) - pulled_blocks, wire_bytes=wire_bytes,
+                                        codec=codec_name, seconds=time.perf_counter() - start)
 
     async def _pull(self, source: str, missing: list[bytes], lease, timeout: float | None,
                     codec_id: int) -> tuple[int, int, int]:
@@ -152,19 +166,15 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             store_id=self.store_id)
 
     async def Acquire(self, request, context):
-        if request.lease_s <= 0:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "lease_s must be > 0")
         hashes = list(request.block_hashes)
         return self._lease_pb(self.store.acquire(hashes, request.lease_s).lease_id, hashes)
 
     async def Renew(self, request, context):
-        if request.lease_s <= 0:
-            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, "lease_s must be > 0")
         try:
             lease = self.store.renew(request.lease_id, request.lease_s)
         except LeaseError as e:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from e
-        return kvstore_pb2.LeaseResponse(lease_id=lease.lease_id, expires_in_s=request.lease_s)
+        return kvstore_pb2.LeaseResponse(lease_id=lease.lease_id, expires_in_s=lease.ttl_s)
 
     async def Release(self, request, context):
         try:
@@ -182,4 +192,4 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             bytes_pulled=s.bytes_pulled, blocks_put=s.blocks_put, blocks_served=s.blocks_served,
             data_address=self.data_address, pinned_blocks=len(store.pins), leases=len(store.leases),
             leases_expired=s.leases_expired, shm_socket=self.shm_socket, store_id=self.store_id,
-            wire_bytes_pulled=self.wire_bytes_pulled)
+            wire_bytes_pulled=self.wire_bytes_pulled, leases_renewed=s.leases_renewed, max_lease_s=store.max_lease_s)

@@ -9,12 +9,18 @@ the same host can map it and copy blocks out without a socket (services/kvstore/
 
 A block is pinned while anyone reads it: a transfer in flight (`pinned`) or a lease
 (`acquire` ... `release_lease`). Eviction is LRU over unpinned blocks only. A lease
-expires unless renewed; expiry unpins its blocks, and the holder then gets LeaseExpired
+expires unless renewed; expiry unpins its blocks, and the holder then gets LeaseError
 instead of a silent success, so it never trusts bytes that may have been reused.
+
+A lease's time to live is bounded: a request above `max_lease_s` is granted `max_lease_s`
+(the holder learns the granted time and renews within it), so a holder that dies strands
+its blocks for at most that long. While a call of this process still fills a lease (a
+Pull across a slow link), `held` keeps it from expiring; its TTL runs from the call's end.
 """
 from __future__ import annotations
 
 import itertools
+import math
 import mmap
 import os
 import time
@@ -38,6 +44,7 @@ class StoreStats:
     bytes_put: int = 0      # stored by writers (put, bulk put)
     bytes_served: int = 0   # read out (streams, data plane, leases)
     leases_expired: int = 0
+    leases_renewed: int = 0
 
 
 @dataclass
@@ -45,7 +52,9 @@ class Lease:
     lease_id: int
     block_hashes: list[bytes]
     expires_at: float
+    ttl_s: float  # as granted (bounded by the store's max_lease_s)
     slots: list[int] = field(default_factory=list)
+    holds: int = 0  # calls of this process still filling it: it does not expire meanwhile
 
 
 class LeaseError(KeyError):
@@ -55,9 +64,16 @@ class LeaseError(KeyError):
         return self.args[0]
 
 
+DEFAULT_MAX_LEASE_S = 30.0
+
+
 class BlockStore:
-    def __init__(self, capacity_bytes: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, capacity_bytes: int, clock: Callable[[], float] = time.monotonic,
+                 max_lease_s: float = DEFAULT_MAX_LEASE_S):
+        if not 0 < max_lease_s < math.inf:
+            raise ValueError(f"max_lease_s must be a positive number of seconds, got {max_lease_s}")
         self.capacity_bytes = capacity_bytes
+        self.max_lease_s = max_lease_s
         self.fd = os.memfd_create("ember-kvstore", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, capacity_bytes)
         self._map = mmap.mmap(self.fd, capacity_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
@@ -155,10 +171,19 @@ class BlockStore:
             self._unpin(held)
 
     # -- leases: pins that outlive a call, held by a remote reader --------------------------
+    def granted_ttl(self, requested_s: float) -> float:
+        """The time to live a lease asking for `requested_s` gets: at most `max_lease_s`.
+        InvalidRequestError unless it is a positive number of seconds."""
+        if not requested_s > 0:  # NaN too
+            raise InvalidRequestError(f"lease_s must be a positive number of seconds, got {requested_s}")
+        return min(requested_s, self.max_lease_s)
+
     def acquire(self, block_hashes: list[bytes], ttl_s: float) -> Lease:
-        """Pin the blocks present (see `Lease.block_hashes`) until release or expiry."""
+        """Pin the blocks present (see `Lease.block_hashes`) until release or expiry;
+        `ttl_s` is bounded by `max_lease_s` (`Lease.ttl_s` says what was granted)."""
         self.expire_leases()
-        lease = Lease(next(self._lease_ids), [], self.clock() + ttl_s)
+        ttl_s = self.granted_ttl(ttl_s)
+        lease = Lease(next(self._lease_ids), [], self.clock() + ttl_s, ttl_s)
         self.leases[lease.lease_id] = lease
         for h in block_hashes:
             self.add_to_lease(lease.lease_id, h)
@@ -174,9 +199,24 @@ class BlockStore:
         return True
 
     def renew(self, lease_id: int, ttl_s: float) -> Lease:
+        """Extend a live lease to now + the granted `ttl_s`; LeaseError if it is gone."""
+        ttl_s = self.granted_ttl(ttl_s)
         lease = self._live(lease_id)
-        lease.expires_at = self.clock() + ttl_s
+        lease.ttl_s, lease.expires_at = ttl_s, self.clock() + ttl_s
+        self.stats.leases_renewed += 1
         return lease
+
+    @contextmanager
+    def held(self, lease_id: int):
+        """Keep a lease from expiring while a call of this process fills it; when the call
+        ends its TTL starts afresh (the remote holder renews from then on)."""
+        lease = self._live(lease_id)
+        lease.holds += 1
+        try:
+            yield lease
+        finally:
+            lease.holds -= 1
+            lease.expires_at = max(lease.expires_at, self.clock() + lease.ttl_s)
 
     def release_lease(self, lease_id: int) -> None:
         """LeaseError if the lease expired first: its blocks may have been overwritten."""
@@ -186,7 +226,7 @@ class BlockStore:
 
     def expire_leases(self) -> int:
         now = self.clock()
-        expired = [lease for lease in self.leases.values() if lease.expires_at <= now]
+        expired = [lease for lease in self.leases.values() if lease.expires_at <= now and not lease.holds]
         for lease in expired:
             del self.leases[lease.lease_id]
             self._unpin(lease.block_hashes)
