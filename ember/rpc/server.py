@@ -16,15 +16,18 @@ from ember.rpc import logs, tracing
 from ember.rpc.errors import ErrorInterceptor
 
 MAX_MESSAGE_BYTES = 64 * 2**20
-# Keepalive pings on every channel (and permitted by every server). Not yet shown to abandon a
-# blackholed peer: a 1 s keepalive through the chaos relay's blackhole did not end a call in 20 s
-# (issue 14, open); the bound today is each call's deadline (DEFAULT_DEADLINE_S when none is set).
-KEEPALIVE_S, KEEPALIVE_TIMEOUT_S = 5, 5
+# Keepalive pings on every channel and from every server: a peer that accepts bytes but never
+# answers (blackholed) fails its calls with UNAVAILABLE after KEEPALIVE_S + KEEPALIVE_TIMEOUT_S
+# (client side) or SERVER_KEEPALIVE_S + KEEPALIVE_TIMEOUT_S (a server drops a vanished client's
+# calls). gRPC core bounds an unanswered ping by `grpc.http2.ping_timeout_ms` (default 60 s), not
+# by keepalive_timeout_ms: both are set. tests/test_liveness.py measures the bounds.
+KEEPALIVE_S, KEEPALIVE_TIMEOUT_S, SERVER_KEEPALIVE_S = 5, 5, 10
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", KEEPALIVE_S * 1000),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
     # A peer that comes back is reconnected within a second: gRPC's default backoff grows to
@@ -36,8 +39,9 @@ CHANNEL_OPTIONS = [
 SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 20_000),  # the server pings idle clients too
+    ("grpc.keepalive_time_ms", SERVER_KEEPALIVE_S * 1000),  # the server pings its clients too
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000),
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_S * 1000 // 2),  # accept our clients' pings
     ("grpc.http2.max_ping_strikes", 0),
