@@ -3,16 +3,16 @@
 continue on the other worker token for token."""
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import pytest
 import yaml
 
+from ember.cluster.chaos import Cluster, tokens_of
 from ember.cluster.launcher import running
 from ember.cluster.ports import on_free_ports
-from tests.test_fault_tolerance import NEW_TOKENS, decode_stats, prompts, run_streams, services
+from tests.test_fault_tolerance import NEW_TOKENS, prompts, run_streams
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -20,7 +20,7 @@ STALL_S = 2.0
 
 
 @pytest.fixture(scope="module")
-def linked(tmp_path_factory, model_path):
+def linked(tmp_path_factory, model_path) -> Cluster:
     """configs/local-ha.yaml with the router at `central`: every router -> decode hop crosses an
     emulated link, one relay per decode worker."""
     run_dir = tmp_path_factory.mktemp("chaos")
@@ -29,42 +29,28 @@ def linked(tmp_path_factory, model_path):
     data["placement"]["emulate_links"] = True
     data["links"] = [{"a": "central", "b": "edge", "rtt_ms": 1, "bandwidth_gbps": 10}]
     (run_dir / "source.yaml").write_text(yaml.safe_dump(data))
-    config = on_free_ports(run_dir / "source.yaml", run_dir / "cluster.yaml", str(model_path))
+    on_free_ports(run_dir / "source.yaml", run_dir / "cluster.yaml", str(model_path))
     with running(run_dir / "cluster.yaml", run_dir, timeout_s=300):
-        yield {"config": config, "run_dir": run_dir, "router": config["router"]["listen"]}
-
-
-def relay_to(linked, worker: str) -> str:
-    target = services(linked)[worker]["address"]
-    [relay] = [r["listen"] for r in json.loads((linked["run_dir"] / "links.json").read_text())
-               if r["target"] == target]
-    return relay
-
-
-def set_faults(linked, faults: dict[str, str]) -> None:
-    path = linked["run_dir"] / "faults.json"
-    path.with_suffix(".tmp").write_text(json.dumps(faults))
-    path.with_suffix(".tmp").replace(path)  # the relay never reads a half-written file
+        yield Cluster(run_dir)
 
 
 @pytest.mark.parametrize("mode", ["blackhole"])  # (a reset ends the stream UNAVAILABLE: test_fault_tolerance)
 def test_a_broken_link_to_a_decode_worker_moves_its_streams_token_for_token(linked, engine, mode):
     ids = prompts(engine.tokenizer)[:8]
-    reference = run_streams(linked["router"], ids)
+    reference = run_streams(linked.router, ids)
     hit: list[tuple[str, float]] = []
 
     def break_busiest(counts) -> bool:
         if min(counts) < 6:
             return False
-        busiest = max(("decode-edge-0", "decode-edge-1"),
-                      key=lambda n: decode_stats(services(linked)[n]["address"]).running)
-        set_faults(linked, {relay_to(linked, busiest): mode})
+        busiest = linked.busiest(["decode-edge-0", "decode-edge-1"])
+        linked.set_faults({linked.relay_to(busiest): mode})
         hit.append((busiest, time.monotonic()))
         return True
     try:
-        disturbed = run_streams(linked["router"], ids, during=break_busiest)
+        disturbed = run_streams(linked.router, ids, during=break_busiest)
     finally:
-        set_faults(linked, {})
-    assert hit and [t for t, _ in disturbed] == [t for t, _ in reference]
-    assert all(len(t) == NEW_TOKENS for t, _ in disturbed)
-    assert sum(f.placement.migrations for _, f in disturbed) >= 1
+        linked.set_faults({})
+    assert hit and tokens_of(disturbed) == tokens_of(reference)
+    assert all(len(s.tokens) == NEW_TOKENS for s in disturbed)
+    assert sum(s.final.placement.migrations for s in disturbed) >= 1

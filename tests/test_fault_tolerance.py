@@ -5,24 +5,20 @@ and, with both prefill workers dead, to the decode site. Admission past the rout
 refused at once with pushback."""
 from __future__ import annotations
 
-import json
-import os
-import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
-import psutil
 import pytest
 import yaml
 
 from ember.client import RouterClient
+from ember.cluster import chaos
+from ember.cluster.chaos import Cluster, tokens_of, wait_dead
 from ember.cluster.launcher import running, wait_serving
 from ember.cluster.ports import on_free_ports
-from ember.cluster.status import scrape
-from ember.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
 from tests.conftest import LONG_TEXT, PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -32,58 +28,11 @@ STREAMS = 16
 
 
 @pytest.fixture(scope="module")
-def ha(tmp_path_factory, model_path):
+def ha(tmp_path_factory, model_path) -> Cluster:
     run_dir = tmp_path_factory.mktemp("ha")
-    config = on_free_ports(ROOT / "configs" / "local-ha.yaml", run_dir / "cluster.yaml", str(model_path))
+    on_free_ports(ROOT / "configs" / "local-ha.yaml", run_dir / "cluster.yaml", str(model_path))
     with running(run_dir / "cluster.yaml", run_dir, timeout_s=300):
-        yield {"config": config, "run_dir": run_dir, "router": config["router"]["listen"]}
-
-
-def services(ha) -> dict:
-    return json.loads((ha["run_dir"] / "services.json").read_text())
-
-
-def pid_of(ha, name: str) -> int:
-    return json.loads((ha["run_dir"] / "pids.json").read_text())[name]
-
-
-def kill(ha, name: str) -> list[int]:
-    """SIGKILL the service `name` (its engine core follows when its socket closes); its pids."""
-    proc = psutil.Process(pid_of(ha, name))
-    pids = [proc.pid] + [c.pid for c in proc.children(recursive=True)]
-    os.kill(proc.pid, signal.SIGKILL)
-    return pids
-
-
-def restart(ha, name: str) -> None:
-    info = services(ha)[name]
-    log = ha["run_dir"] / f"{name}.log"
-    with open(log, "ab") as out:
-        proc = subprocess.Popen(info["argv"], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    pids = json.loads((ha["run_dir"] / "pids.json").read_text())
-    pids[name] = proc.pid
-    (ha["run_dir"] / "pids.json").write_text(json.dumps(pids))
-    wait_serving(info["address"], time.monotonic() + 240, proc, log)
-    if info["role"] in ("prefill", "decode"):
-        wait_router_sees(ha, info, live=True)
-
-
-def wait_router_sees(ha, info: dict, live: bool, timeout_s: float = 10) -> None:
-    """Until the router's /metrics count the worker at `info` live (or down); a restarted worker
-    is back in its pool within a reconnect backoff (at most 1 s) plus a health poll."""
-    router = services(ha)["router"]["metrics"]
-    key = f'ember:worker_live{{address="{info["address"]}",role="{info["role"]}",site="{info["site"]}"}}'
-    deadline = time.monotonic() + timeout_s
-    while scrape(router).get(key) != float(live):
-        assert time.monotonic() < deadline, f"the router never counted {info['address']} {'live' if live else 'down'}"
-        time.sleep(0.1)
-
-
-def wait_dead(pids: list[int], timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
-        assert time.monotonic() < deadline, "a killed worker's processes outlived it"
-        time.sleep(0.1)
+        yield Cluster(run_dir)
 
 
 def prompts(engine_tokenizer, long: bool = False) -> list[list[int]]:
@@ -93,80 +42,40 @@ def prompts(engine_tokenizer, long: bool = False) -> list[list[int]]:
 
 
 def run_streams(router: str, ids: list[list[int]], during=None, **sampling) -> list:
-    """All streams at once; `during(counts)` is called from here until it returns True (it sees how
-    many tokens each stream has so far). Returns each stream's final message and tokens."""
-    counts = [0] * len(ids)
+    """All streams at once, NEW_TOKENS each; `during(counts)` runs while they do (ember.cluster.chaos)."""
+    return chaos.run_streams(router, ids, NEW_TOKENS, during=during, **sampling)
 
-    def one(i):
-        tokens, final = [], None
-        with RouterClient(router) as client:
-            for msg in client.stream(token_ids=ids[i], max_tokens=NEW_TOKENS, ignore_eos=True, timeout=300,
-                                     **sampling):
-                tokens += msg.token_ids
-                counts[i] = len(tokens)
-                final = msg
-        return tokens, final
-    with ThreadPoolExecutor(len(ids)) as pool:
-        futures = [pool.submit(one, i) for i in range(len(ids))]
-        while during is not None and not during(counts):
-            assert not any(f.done() and f.exception() for f in futures), [f.exception() for f in futures if f.done()]
-            time.sleep(0.05)
-        return [f.result(timeout=300) for f in futures]
-
-
-def decode_stats(address: str):
-    with grpc.insecure_channel(address) as ch:
-        return decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.DecodeStatsRequest(), timeout=10)
-
-
-def leases(ha) -> int:
-    total = 0
-    for name, info in services(ha).items():
-        if name.startswith("kvstore"):
-            with grpc.insecure_channel(info["address"]) as ch:
-                total += kvstore_pb2_grpc.KVStoreStub(ch).Stats(kvstore_pb2.StatsRequest(), timeout=10).leases
-    return total
-
-
-def settle(ha, names: list[str], timeout_s: float = 90) -> None:
-    """Afterwards: no sequence running, no block in use on `names`, no lease held."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = [decode_stats(services(ha)[n]["address"]) for n in names]
-        if all(s.running == 0 and s.waiting == 0 and s.used_blocks == 0 for s in stats) and leases(ha) == 0:
-            return
-        assert time.monotonic() < deadline, f"not settled: {stats}, leases {leases(ha)}"
-        time.sleep(0.2)
 
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 1234}], ids=["greedy", "seeded"])
 def test_killing_the_busiest_decode_worker_loses_no_stream_and_changes_no_token(ha, engine, sampling):
     ids = prompts(engine.tokenizer)
-    reference = run_streams(ha["router"], ids, **sampling)
+    reference = run_streams(ha.router, ids, **sampling)
     decoders = ["decode-edge-0", "decode-edge-1"]
     killed: dict[str, list[int]] = {}  # name -> its pids
 
     def kill_busiest(counts) -> bool:
         if min(counts) < 6:  # every stream is decoding
             return False
-        busiest = max(decoders, key=lambda n: decode_stats(services(ha)[n]["address"]).running)
-        killed[busiest] = kill(ha, busiest)
+        busiest = ha.busiest(decoders)
+        killed[busiest] = ha.kill(busiest)
         return True
-    disturbed = run_streams(ha["router"], ids, during=kill_busiest, **sampling)
+    disturbed = run_streams(ha.router, ids, during=kill_busiest, **sampling)
     [(name, pids)] = killed.items()
     wait_dead(pids)
-    assert [t for t, _ in disturbed] == [t for t, _ in reference], "every stream continued token for token"
-    assert all(len(t) == NEW_TOKENS and f.finished for t, f in disturbed)
-    migrated = sum(f.placement.migrations for _, f in disturbed)
+    assert tokens_of(disturbed) == tokens_of(reference), "every stream continued token for token"
+    assert all(len(s.tokens) == NEW_TOKENS and s.final.finished for s in disturbed)
+    migrated = sum(s.final.placement.migrations for s in disturbed)
     assert migrated >= 1, "the killed worker had streams, and they moved"
     survivor = next(n for n in decoders if n != name)
-    settle(ha, [survivor])
-    restart(ha, name)
-    settle(ha, decoders)
+    ha.settle([survivor])
+    ha.restart(name)  # serving, and counted live by the router
+    ha.settle(decoders)
 
 
 def test_a_stream_over_http_sse_survives_its_decode_worker(ha, engine):
     import openai
-    client = openai.OpenAI(base_url=f"http://{ha['config']['router']['http']}/v1", api_key="unused",
+    http = yaml.safe_load((ha.run_dir / "cluster.yaml").read_text())["router"]["http"]
+    client = openai.OpenAI(base_url=f"http://{http}/v1", api_key="unused",
                            max_retries=0, timeout=300)
     messages = [{"role": "user", "content": "Count from one to forty in words."}]
     kwargs = dict(model="SmolLM2-135M-Instruct.Q4_1", messages=messages, max_tokens=NEW_TOKENS, temperature=0,
@@ -178,59 +87,57 @@ def test_a_stream_over_http_sse_survives_its_decode_worker(ha, engine):
         if chunk.choices and chunk.choices[0].delta.content:
             pieces.append(chunk.choices[0].delta.content)
         if len(pieces) == 5 and not killed:
-            busy = [n for n in ("decode-edge-0", "decode-edge-1")
-                    if decode_stats(services(ha)[n]["address"]).running]
+            busy = [n for n in ("decode-edge-0", "decode-edge-1") if ha.decode_stats(n).running]
             killed.append(busy[0])
-            wait_dead(kill(ha, busy[0]))
+            wait_dead(ha.kill(busy[0]))
     assert killed and "".join(pieces) == want, "the SSE stream ended normally ([DONE]) with the same text"
-    restart(ha, killed[0])
+    ha.restart(killed[0])
 
 
-def recoveries(ha) -> int:
+def recoveries(ha: Cluster) -> int:
     """Transfers the engines computed around (logged by each engine core)."""
     return sum(line.count("failed (computing") + line.count("write-back to the site kvstore failed")
-               for name in services(ha) if name.startswith(("prefill", "decode"))
-               for line in (ha["run_dir"] / f"{name}.log").read_text(errors="replace").splitlines())
+               for name in ha.names("prefill") + ha.names("decode") for line in ha.log_lines(name))
 
 
 @pytest.mark.parametrize("store", ["kvstore-edge", "kvstore-central"])
 def test_a_kvstore_killed_and_restarted_under_load_costs_no_request_and_no_token(ha, engine, store):
     ids = [engine.tokenizer.encode(f"Story {i} of {store}: " + LONG_TEXT[:500 + 30 * i]) for i in range(6)]
     fresh = [engine.tokenizer.encode(f"Tale {i} of {store}: " + LONG_TEXT[:500 + 30 * i]) for i in range(6)]
-    reference, reference_fresh = run_streams(ha["router"], ids), run_streams(ha["router"], fresh)
+    reference, reference_fresh = run_streams(ha.router, ids), run_streams(ha.router, fresh)
     before, started, victims = recoveries(ha), time.monotonic(), []
 
     def kill_store(counts) -> bool:
         if time.monotonic() - started < 0.3:
             return False
-        victims.extend(kill(ha, store))
+        victims.extend(ha.kill(store))
         return True
     bumped = [[t + 1 for t in p[:1]] + p[1:] for p in fresh]  # never seen: each needs a transfer, as the store dies
-    during = run_streams(ha["router"], bumped[:3] + ids[3:], during=kill_store)
+    during = run_streams(ha.router, bumped[:3] + ids[3:], during=kill_store)
     wait_dead(victims)
     assert recoveries(ha) > before, "the kill hit transfers in flight, and the engines computed around them"
-    restart(ha, store)
-    after = run_streams(ha["router"], fresh)  # the restarted store: new arena, blocks pulled again
-    reference_bumped = run_streams(ha["router"], bumped[:3])
-    assert [t for t, _ in during] == [t for t, _ in reference_bumped] + [t for t, _ in reference[3:]]
-    assert [t for t, _ in after] == [t for t, _ in reference_fresh]
-    assert all(f.finished for _, f in during + after)
+    ha.restart(store)
+    after = run_streams(ha.router, fresh)  # the restarted store: new arena, blocks pulled again
+    reference_bumped = run_streams(ha.router, bumped[:3])
+    assert tokens_of(during) == tokens_of(reference_bumped) + tokens_of(reference[3:])
+    assert tokens_of(after) == tokens_of(reference_fresh)
+    assert all(s.final.finished for s in during + after)
 
 
 def test_past_the_admission_limit_requests_are_refused_at_once_with_pushback(ha, engine, tmp_path):
     """A second router in front of the same workers, with router.max_inflight 4."""
     from ember.cluster.ports import free_port
-    data = yaml.safe_load((ha["run_dir"] / "cluster.yaml").read_text())
+    data = yaml.safe_load((ha.run_dir / "cluster.yaml").read_text())
     data["router"] = {"listen": f"127.0.0.1:{free_port()}", "max_inflight": 4, "retry_after_s": 1.0}
     (tmp_path / "router.yaml").write_text(yaml.safe_dump(data))
     log = tmp_path / "router.log"
-    proc = subprocess.Popen([*services(ha)["router"]["argv"][:3], "--config", str(tmp_path / "router.yaml")],
+    proc = subprocess.Popen([*ha.services["router"]["argv"][:3], "--config", str(tmp_path / "router.yaml")],
                             stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     router = data["router"]["listen"]
     ids = prompts(engine.tokenizer)[:1]
     try:
         wait_serving(router, time.monotonic() + 120, proc, log)
-        reference = run_streams(router, ids)[0][0]
+        reference = run_streams(router, ids)[0].tokens
 
         def one(i):
             with RouterClient(router) as client:
@@ -257,7 +164,7 @@ def test_past_the_admission_limit_requests_are_refused_at_once_with_pushback(ha,
 
 def test_prefill_fails_over_to_the_other_worker_then_to_the_decode_site(ha, engine):
     ids = prompts(engine.tokenizer, long=True)
-    reference = run_streams(ha["router"], ids)
+    reference = run_streams(ha.router, ids)
     # one prefill worker killed while the long prefills queue on both
     started = time.monotonic()
     victims: list[int] = []
@@ -265,23 +172,23 @@ def test_prefill_fails_over_to_the_other_worker_then_to_the_decode_site(ha, engi
     def kill_one(counts) -> bool:
         if time.monotonic() - started < 1.0:
             return False
-        victims.extend(kill(ha, "prefill-central-0"))
+        victims.extend(ha.kill("prefill-central-0"))
         return True
-    disturbed = run_streams(ha["router"], ids, during=kill_one)
+    disturbed = run_streams(ha.router, ids, during=kill_one)
     wait_dead(victims)
-    assert [t for t, _ in disturbed] == [t for t, _ in reference]
+    assert tokens_of(disturbed) == tokens_of(reference)
     # both prefill workers dead: the decode site prefills (decode-only fallback), same tokens
-    wait_dead(kill(ha, "prefill-central-1"))
-    fallback = run_streams(ha["router"], ids[:4])
-    assert [t for t, _ in fallback] == [t for t, _ in reference[:4]]
-    assert all(f.placement.prefill_fallback == "decode-only" for _, f in fallback)
+    wait_dead(ha.kill("prefill-central-1"))
+    fallback = run_streams(ha.router, ids[:4])
+    assert tokens_of(fallback) == tokens_of(reference[:4])
+    assert all(s.final.placement.prefill_fallback == "decode-only" for s in fallback)
     # (left dead: the last test needs no prefill worker, and the module's cluster stops after it)
 
 
 def test_with_every_decode_worker_dead_a_request_fails_fast_without_spending_prefill(ha, engine):
-    victims = kill(ha, "decode-edge-0") + kill(ha, "decode-edge-1")
+    victims = ha.kill("decode-edge-0") + ha.kill("decode-edge-1")
     wait_dead(victims)
     start = time.monotonic()
-    with RouterClient(ha["router"]) as client, pytest.raises(grpc.RpcError) as e:
+    with RouterClient(ha.router) as client, pytest.raises(grpc.RpcError) as e:
         list(client.stream(text="hello there", max_tokens=8, timeout=30))
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - start < 2.0

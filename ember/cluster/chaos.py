@@ -1,0 +1,229 @@
+"""Chaos machinery for a local cluster started by `ember up` (tests and `ember bench chaos`).
+
+`Cluster(run_dir)` reads the run directory `ember up` wrote (services.json, pids.json): kill a
+service with SIGKILL (its engine core must follow on its own: the pids returned include it),
+restart it from its recorded argv and wait until it serves and, for a worker, until the router's
+/metrics count it live (`ember:worker_live{role,site,address}`), read decode and kvstore stats,
+and check that a cluster settled (no sequence running or waiting, no block used, no lease held).
+`run_streams` runs N concurrent router streams with a callback while they run and records when
+each token arrived; `set_faults` switches the chaos relay's fault modes (faults.json).
+Every wait has a deadline; none is a fixed sleep.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import psutil
+
+from ember.client import RouterClient
+from ember.cluster.launcher import wait_serving
+from ember.cluster.status import scrape
+from ember.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc, router_pb2
+
+POLL_S = 0.05
+
+
+class Cluster:
+    """A running local cluster, by its run directory."""
+
+    def __init__(self, run_dir: str | Path):
+        self.run_dir = Path(run_dir)
+
+    @property
+    def services(self) -> dict:
+        """name -> {address, role, site, metrics, argv} (re-read: a restart changes nothing there)."""
+        return json.loads((self.run_dir / "services.json").read_text())
+
+    @property
+    def router(self) -> str:
+        return self.services["router"]["address"]
+
+    def names(self, role: str) -> list[str]:
+        return [n for n, info in self.services.items() if info["role"] == role]
+
+    def pid(self, name: str) -> int:
+        return json.loads((self.run_dir / "pids.json").read_text())[name]
+
+    def kill(self, name: str) -> list[int]:
+        """SIGKILL the service `name` (its engine core follows when its socket closes); its pids
+        and its children's, for `wait_dead`."""
+        proc = psutil.Process(self.pid(name))
+        pids = [proc.pid] + [c.pid for c in proc.children(recursive=True)]
+        os.kill(proc.pid, signal.SIGKILL)
+        return pids
+
+    def restart(self, name: str, timeout_s: float = 240) -> dict[str, float]:
+        """Start `name` again from its recorded argv (as `ember up` did: same log, passive OpenMP
+        waits, JSON logs) and wait until it serves and, for a prefill or decode worker, until the
+        router counts it live. Seconds from the call to each: {"serving_s", "router_live_s"}."""
+        start = time.monotonic()
+        info = self.services[name]
+        log = self.run_dir / f"{name}.log"
+        env = dict(os.environ)
+        env.pop("EMBER_OMP_PASSIVE", None)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        env.setdefault("EMBER_LOG_FORMAT", "json")
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(info["argv"], stdout=out, stderr=subprocess.STDOUT, cwd=self.run_dir, env=env,
+                                    start_new_session=True)
+        pids = json.loads((self.run_dir / "pids.json").read_text())
+        pids[name] = proc.pid
+        tmp = self.run_dir / "pids.json.tmp"
+        tmp.write_text(json.dumps(pids))
+        tmp.replace(self.run_dir / "pids.json")
+        wait_serving(info["address"], start + timeout_s, proc, log)
+        out = {"serving_s": time.monotonic() - start}
+        if info["role"] in ("prefill", "decode"):
+            self.wait_router_sees(name, live=True)
+            out["router_live_s"] = time.monotonic() - start
+        return out
+
+    def router_sees(self, name: str) -> float | None:
+        """The router's `ember:worker_live` for worker `name` (1.0 live, 0.0 down, None unknown)."""
+        info = self.services[name]
+        key = f'ember:worker_live{{address="{info["address"]}",role="{info["role"]}",site="{info["site"]}"}}'
+        return scrape(self.services["router"]["metrics"]).get(key)
+
+    def wait_router_sees(self, name: str, live: bool, timeout_s: float = 10) -> float:
+        """Until the router's /metrics count worker `name` live (or down); a restarted worker is back
+        in its pool within a reconnect backoff (at most 1 s) plus a health poll. Seconds waited."""
+        start = time.monotonic()
+        while self.router_sees(name) != float(live):
+            if time.monotonic() - start > timeout_s:
+                raise TimeoutError(f"the router never counted {name} {'live' if live else 'down'}")
+            time.sleep(POLL_S)
+        return time.monotonic() - start
+
+    def decode_stats(self, name: str):
+        with grpc.insecure_channel(self.services[name]["address"]) as ch:
+            return decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.DecodeStatsRequest(), timeout=10)
+
+    def busiest(self, names: list[str]) -> str:
+        """The decode worker among `names` running the most sequences now."""
+        return max(names, key=lambda n: self.decode_stats(n).running)
+
+    def leases(self) -> int:
+        total = 0
+        for name in self.names("kvstore"):
+            with grpc.insecure_channel(self.services[name]["address"]) as ch:
+                total += kvstore_pb2_grpc.KVStoreStub(ch).Stats(kvstore_pb2.StatsRequest(), timeout=10).leases
+        return total
+
+    def settle(self, names: list[str], timeout_s: float = 90) -> float:
+        """Until no sequence runs or waits and no block is used on decode workers `names`, and no
+        kvstore holds a lease. Seconds waited; TimeoutError with what was left."""
+        start = time.monotonic()
+        while True:
+            stats = [self.decode_stats(n) for n in names]
+            leases = self.leases()
+            if all(s.running == 0 and s.waiting == 0 and s.used_blocks == 0 for s in stats) and leases == 0:
+                return time.monotonic() - start
+            if time.monotonic() - start > timeout_s:
+                raise TimeoutError(f"not settled: {stats}, leases {leases}")
+            time.sleep(0.2)
+
+    def log_lines(self, name: str) -> list[str]:
+        return (self.run_dir / f"{name}.log").read_text(errors="replace").splitlines()
+
+    def relay_to(self, name: str) -> str:
+        """The chaos relay's listen address in front of service `name` (placement.emulate_links)."""
+        target = self.services[name]["address"]
+        relays = [r["listen"] for r in json.loads((self.run_dir / "links.json").read_text()) if r["target"] == target]
+        if len(relays) != 1:
+            raise LookupError(f"{len(relays)} relays lead to {name} ({target}); is placement.emulate_links on?")
+        return relays[0]
+
+    def set_faults(self, faults: dict[str, str]) -> None:
+        """{relay listen address: mode} for the relay (re-read every 0.1 s); {} heals every link."""
+        path = self.run_dir / "faults.json"
+        path.with_suffix(".tmp").write_text(json.dumps(faults))
+        path.with_suffix(".tmp").replace(path)  # the relay never reads a half-written file
+
+
+def wait_dead(pids: list[int], timeout_s: float = 30) -> float:
+    """Until every pid is gone (or a zombie); seconds waited."""
+    start = time.monotonic()
+
+    def alive(p: int) -> bool:
+        try:
+            return psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+    while any(alive(p) for p in pids):
+        if time.monotonic() - start > timeout_s:
+            raise TimeoutError(f"a killed service's processes outlived it: {[p for p in pids if alive(p)]}")
+        time.sleep(POLL_S)
+    return time.monotonic() - start
+
+
+@dataclass
+class Stream:
+    """One stream's outcome: its tokens, when each arrived (time.monotonic()), its final message,
+    and the error that ended it (None: it finished)."""
+    tokens: list[int] = field(default_factory=list)
+    stamps: list[float] = field(default_factory=list)
+    final: router_pb2.GenerateResponse | None = None
+    error: grpc.RpcError | None = None
+    started: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.final is not None and self.final.finished
+
+    def next_token_after(self, t: float) -> float | None:
+        """Seconds from `t` to the first token after it; None if the stream had ended by then
+        (or never sent one after it)."""
+        later = [s for s in self.stamps if s > t]
+        return later[0] - t if later else None
+
+
+def run_streams(router: str, ids: list[list[int]], max_tokens: int, during: Callable[[list[int]], bool] | None = None,
+                raise_errors: bool = True, timeout_s: float = 300, **sampling) -> list[Stream]:
+    """All streams at once (greedy unless `sampling` says otherwise, ignore_eos: every stream
+    runs `max_tokens`). `during(counts)` is called from here every POLL_S until it returns True (or
+    every stream ended); it sees how many tokens each stream has so far. With raise_errors a failed
+    stream raises (at once, while `during` runs); else its error is kept in its Stream."""
+    counts = [0] * len(ids)
+
+    def one(i: int) -> Stream:
+        s = Stream(started=time.monotonic())
+        with RouterClient(router) as client:
+            try:
+                for msg in client.stream(token_ids=ids[i], max_tokens=max_tokens, ignore_eos=True, timeout=timeout_s,
+                                         **sampling):
+                    now = time.monotonic()
+                    s.tokens += msg.token_ids
+                    s.stamps += [now] * len(msg.token_ids)
+                    counts[i] = len(s.tokens)
+                    s.final = msg
+            except grpc.RpcError as e:
+                if raise_errors:
+                    raise
+                s.error = e
+        return s
+    with ThreadPoolExecutor(len(ids)) as pool:
+        futures = [pool.submit(one, i) for i in range(len(ids))]
+        deadline = time.monotonic() + timeout_s
+        while during is not None and not during(counts):
+            failed = [f.exception() for f in futures if f.done() and f.exception()]
+            if failed:
+                raise failed[0]
+            if all(f.done() for f in futures):  # over before `during` was done: the caller sees it did nothing
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError("the streams ran out of time before `during` was done")
+            time.sleep(POLL_S)
+        return [f.result(timeout=timeout_s) for f in futures]
+
+
+def tokens_of(streams: list[Stream]) -> list[list[int]]:
+    return [s.tokens for s in streams]
