@@ -3,6 +3,7 @@ message limits, graceful SIGTERM drain."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -70,7 +71,11 @@ def channel(address: str) -> grpc.aio.Channel:
 
 
 class Server:
-    """One gRPC server; `health.set_serving()` once the service is warm."""
+    """One gRPC server: NOT_SERVING until warm, SERVING, then a drain on SIGTERM (`run`)."""
+
+    # A draining server says NOT_SERVING this long before it refuses new calls: two of the
+    # router's health polls (services/router/workers.py). EMBER_DRAIN_NOTICE_S overrides it.
+    DRAIN_NOTICE_S = 1.0
 
     def __init__(self, address: str, service_names: list[str]):
         self.address = address
@@ -90,23 +95,36 @@ class Server:
             await self.health.set(name, status)
 
     async def run(self, warmup: Callable[[], Awaitable[None]] | None = None, grace_s: float = 10.0,
-                  on_stop: Callable[[], Awaitable[None]] | None = None) -> None:
+                  on_stop: Callable[[], Awaitable[None]] | None = None, notice_s: float | None = None) -> None:
+        """Serve until SIGTERM/SIGINT, then drain: health says NOT_SERVING at once while calls are
+        still served for `notice_s` (health pollers such as the router, every 0.5 s, move away
+        first; a second signal cuts it short), then new calls are refused and running ones get
+        `grace_s` to finish; `on_stop` runs and the process exits 0."""
+        log = logging.getLogger("ember")
+        if notice_s is None:
+            notice_s = float(os.environ.get("EMBER_DRAIN_NOTICE_S", self.DRAIN_NOTICE_S))
         await self.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         if warmup is not None:
             await warmup()
         await self.set_status(health_pb2.HealthCheckResponse.SERVING)
-        logging.getLogger("ember").info("serving %s on %s", ",".join(self.service_names), self.address)
-        stop = asyncio.Event()
+        log.info("serving %s on %s", ",".join(self.service_names), self.address)
+        signals = asyncio.Queue()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        # drain: say NOT_SERVING so balancers move away, refuse new calls, finish running ones
-        await self.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
+            loop.add_signal_handler(sig, signals.put_nowait, sig)
+        sig = await signals.get()
+        # drain: NOT_SERVING for good (nothing sets SERVING again), still serving for the notice
+        await self.health.enter_graceful_shutdown()
+        log.info("draining on %s: NOT_SERVING now, new calls refused in %g s, running calls get %g s more",
+                 signal.Signals(sig).name, notice_s, grace_s)
+        if notice_s > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(signals.get(), notice_s)
         await self.server.stop(grace_s)
         if on_stop is not None:
             await on_stop()
+        log.info("drained: %s stopped", ",".join(self.service_names))
 
 
 def run_service(main: Callable[[], Awaitable[None]], name: str) -> None:

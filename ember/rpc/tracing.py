@@ -90,6 +90,15 @@ def annotate(**attributes) -> None:
             span.set_attribute(f"ember.{key}", value)
 
 
+def received(context, request_id: str = "") -> float | None:
+    """Note on the SERVER span what a call arrived with: `ember.request_id` and `ember.deadline_s`
+    (the caller's time left when the handler started; absent when it set no deadline). The
+    seconds left, or None."""
+    left = context.time_remaining()
+    annotate(request_id=request_id or None, deadline_s=None if left is None else round(left, 3))
+    return left
+
+
 def current_carrier() -> dict[str, str]:
     """The current trace context as W3C headers, to hand to another process."""
     carrier: dict[str, str] = {}

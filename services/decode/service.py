@@ -7,9 +7,12 @@ blocks decode adds are written back to the site store when the request finishes.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
 
 import grpc
+from prometheus_client import Counter
 
 from ember.kv.block_hash import chain_hashes
 from ember.rpc import metrics, tracing
@@ -19,6 +22,18 @@ from ember.rpc.server import remaining
 from ember.serving.messages import KVPlan
 from ember.v1 import decode_pb2, decode_pb2_grpc
 
+log = logging.getLogger("ember.decode")
+# Streams ended before they finished; their sequence and blocks are freed in the engine core.
+ABORTED = Counter("ember:requests_aborted", "Decode streams ended before they finished: the caller cancelled or "
+                  "its deadline passed (the engine frees the sequence)", ["reason"])
+# A cancel arriving this close to the call's deadline is the deadline (the caller's fired first).
+DEADLINE_SLACK_S = 0.25
+
+
+def abort_reason(context) -> str:
+    left = context.time_remaining()
+    return "deadline" if left is not None and left < DEADLINE_SLACK_S else "cancelled"
+
 
 class DecodeService(decode_pb2_grpc.DecodeServicer):
     def __init__(self, on_transfer_failure: str = "recompute", recompute_max_tokens: int | None = None):
@@ -27,6 +42,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
 
     async def Decode(self, request, context):
         require_ready(self.engine)
+        tracing.received(context, request.request_id)
         params = sampling_from_pb(request.sampling)
         info = self.engine.info
         prompt, wanted = list(request.prompt_token_ids), list(request.block_hashes)
@@ -47,28 +63,38 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         plan = KVPlan(pull_from=request.source_kvstore, read_through=True, write_back="async",
                       max_blocks=len(wanted) if request.source_kvstore else None,
                       on_kv_failure=self.on_transfer_failure, recompute_max_tokens=self.recompute_max_tokens)
-        first, first_at = True, time.perf_counter()
-        async for out in self.engine.generate(prompt, params, request.request_id, plan=plan,
-                                              output_prefix=prefix,
-                                              timeout_s=remaining(context)):
-            msg = decode_pb2.DecodeResponse(token_ids=out.new_token_ids, text=out.new_text, finished=out.finished,
-                                            finish_reason=out.finish_reason or "",
-                                            completion_tokens=out.completion_tokens)
-            if first:
-                kv = out.kv
-                msg.transfer_s = kv.transfer_s
-                msg.blocks_pulled, msg.bytes_pulled = kv.blocks_pulled, kv.bytes_pulled
-                msg.recomputed_tokens = max(0, len(prompt) + len(prefix) - out.cached_tokens)
-                metrics.PREFIX_QUERIES.inc(len(prompt) + len(prefix))
-                metrics.PREFIX_HITS.inc(out.cached_tokens)
-                tracing.annotate(prompt_tokens=len(prompt), blocks_in_pool=kv.blocks_l1, blocks_imported=kv.blocks_l2,
-                                 blocks_pulled=kv.blocks_pulled, bytes_pulled=kv.bytes_pulled,
-                                 transfer_s=kv.transfer_s, recomputed_tokens=msg.recomputed_tokens)
-                first, first_at = False, time.perf_counter()
-            if out.finished:
-                tracing.annotate(completion_tokens=out.completion_tokens, finish_reason=out.finish_reason,
-                                 tpot_s=(time.perf_counter() - first_at) / max(1, out.completion_tokens - 2))
-            yield msg
+        first, first_at, sent = True, time.perf_counter(), 0
+        try:
+            async for out in self.engine.generate(prompt, params, request.request_id, plan=plan,
+                                                  output_prefix=prefix,
+                                                  timeout_s=remaining(context)):
+                msg = decode_pb2.DecodeResponse(token_ids=out.new_token_ids, text=out.new_text,
+                                                finished=out.finished, finish_reason=out.finish_reason or "",
+                                                completion_tokens=out.completion_tokens)
+                if first:
+                    kv = out.kv
+                    msg.transfer_s = kv.transfer_s
+                    msg.blocks_pulled, msg.bytes_pulled = kv.blocks_pulled, kv.bytes_pulled
+                    msg.recomputed_tokens = max(0, len(prompt) + len(prefix) - out.cached_tokens)
+                    metrics.PREFIX_QUERIES.inc(len(prompt) + len(prefix))
+                    metrics.PREFIX_HITS.inc(out.cached_tokens)
+                    tracing.annotate(prompt_tokens=len(prompt), blocks_in_pool=kv.blocks_l1,
+                                     blocks_imported=kv.blocks_l2, blocks_pulled=kv.blocks_pulled,
+                                     bytes_pulled=kv.bytes_pulled, transfer_s=kv.transfer_s,
+                                     recomputed_tokens=msg.recomputed_tokens)
+                    first, first_at = False, time.perf_counter()
+                if out.finished:
+                    tracing.annotate(completion_tokens=out.completion_tokens, finish_reason=out.finish_reason,
+                                     tpot_s=(time.perf_counter() - first_at) / max(1, out.completion_tokens - 2))
+                yield msg
+                sent += len(out.new_token_ids)
+        except (asyncio.CancelledError, GeneratorExit):
+            # the caller went away (cancel, deadline, its own failure): the engine frees the sequence
+            reason = abort_reason(context)
+            ABORTED.labels(reason).inc()
+            tracing.annotate(aborted=reason, tokens_sent=sent)
+            log.info("aborted (%s) after %d tokens", reason, sent)
+            raise
 
     async def Stats(self, request, context):
         require_ready(self.engine)

@@ -8,6 +8,8 @@ to it before the answer comes back (decode is about to pull them).
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 from dataclasses import replace
 
 import grpc
@@ -20,6 +22,8 @@ from ember.rpc.errors import RpcError, require_ready
 from ember.rpc.server import remaining
 from ember.serving.messages import KVPlan
 from ember.v1 import prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger("ember.prefill")
 
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
@@ -34,6 +38,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
 
     async def Prefill(self, request, context):
         require_ready(self.engine)
+        tracing.received(context, request.request_id)
         params = sampling_from_pb(request.sampling)
         prompt = list(request.token_ids)
         info = self.engine.info
@@ -42,9 +47,16 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "the router's block hashes differ from this "
                            "prefill server's: they disagree on the model, KV dtype or block size")
         final = None
-        async for out in self.engine.generate(prompt, replace(params, max_tokens=1), request.request_id, plan=self.plan,
-                                              timeout_s=remaining(context)):
-            final = out
+        try:
+            async for out in self.engine.generate(prompt, replace(params, max_tokens=1), request.request_id,
+                                                  plan=self.plan, timeout_s=remaining(context)):
+                final = out
+        except (asyncio.CancelledError, GeneratorExit):
+            left = context.time_remaining()  # the engine drops the request (queued or running)
+            reason = "deadline" if left is not None and left < 0.25 else "cancelled"
+            tracing.annotate(aborted=reason)
+            log.info("aborted (%s) before the first token", reason)
+            raise
         kv = final.kv
         metrics.PREFIX_QUERIES.inc(len(prompt))
         metrics.PREFIX_HITS.inc(final.cached_tokens)
