@@ -2,25 +2,15 @@
 from __future__ import annotations
 
 from ember.engine.sampling_params import SamplingParams
-from ember.errors import InvalidRequestError
+from ember.rpc import validate
 from ember.v1 import common_pb2
 
 
-def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
-    """Validated SamplingParams; InvalidRequestError (-> INVALID_ARGUMENT) names the bad field."""
-    try:
-        return SamplingParams(
-            max_tokens=pb.max_tokens,
-            temperature=pb.temperature,
-            top_k=pb.top_k,
-            top_p=pb.top_p if pb.top_p != 0 else 1.0,
-            seed=pb.seed if pb.HasField("seed") else None,
-            stop=tuple(pb.stop),
-            stop_token_ids=tuple(pb.stop_token_ids),
-            ignore_eos=pb.ignore_eos,
-        )
-    except ValueError as e:
-        raise InvalidRequestError(f"sampling: {e}") from e
+def sampling_from_pb(pb: common_pb2.SamplingParams, vocab_size: int | None = None,
+                     max_model_len: int | None = None) -> SamplingParams:
+    """Validated SamplingParams; InvalidRequestError (-> INVALID_ARGUMENT) names the bad field.
+    The checks and caps are ember.rpc.validate.sampling's."""
+    return validate.sampling(pb, vocab_size, max_model_len)
 
 
 def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:

@@ -3,6 +3,7 @@ router runs it) and the client kvstores publish through; `open_directory` picks 
 from __future__ import annotations
 
 from ember.kv.directory import BlockDirectory, MemoryDirectory, RedisDirectory
+from ember.rpc import validate
 from ember.rpc.server import channel
 from ember.v1 import directory_pb2, directory_pb2_grpc
 
@@ -12,11 +13,20 @@ class DirectoryService(directory_pb2_grpc.BlockDirectoryServicer):
         self.directory = directory
 
     async def Publish(self, request, context):
-        await self.directory.publish(request.site, list(request.added), list(request.evicted))
+        site = validate.name(request.site, "site")
+        if not site:
+            raise validate.invalid("site is required")
+        # a kvstore re-publishes every block it holds: no count cap beyond the message size
+        limit = validate.MAX_PUBLISHED_BLOCKS
+        added = validate.block_hashes(request.added, "added", limit)
+        evicted = validate.block_hashes(request.evicted, "evicted", limit)
+        await self.directory.publish(site, added, evicted)
         return directory_pb2.PublishResponse()
 
     async def Lookup(self, request, context):
-        prefix = await self.directory.lookup(list(request.block_hashes), list(request.sites))
+        validate.count(request.sites, "sites", validate.MAX_SITES)
+        sites = [validate.name(s, f"sites[{i}]") for i, s in enumerate(request.sites)]
+        prefix = await self.directory.lookup(validate.block_hashes(request.block_hashes), sites)
         return directory_pb2.DirectoryLookupResponse(prefix_blocks=prefix)
 
 

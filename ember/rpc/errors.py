@@ -6,6 +6,7 @@ import contextlib
 import logging
 
 import grpc
+from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
 from ember.errors import CapacityError, IntegrityError, InvalidRequestError, NotFoundError
@@ -61,11 +62,44 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
+class _Undecodable:
+    """What a request that is not a valid message of its type deserializes to: the handler then
+    answers INVALID_ARGUMENT (gRPC itself would answer UNKNOWN)."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+def _safe(deserializer):
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes):
+        try:
+            return deserializer(data)
+        except DecodeError as e:
+            return _Undecodable(e)
+    return deserialize
+
+
+def _decoded(request):
+    if isinstance(request, _Undecodable):
+        raise InvalidRequestError(f"the request is not a valid message of its type: {request.error}")
+    return request
+
+
+async def _decoded_stream(requests):
+    async for request in requests:
+        yield _decoded(request)
+
+
 class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Turns exceptions escaping a handler into the right status and a log line.
 
     It runs inside the instrumentation's SERVER span (`tracing.server_interceptor` comes first
-    on the server), so the status it records lands on that span."""
+    on the server), so the status it records lands on that span. A request that does not parse
+    as its message type is INVALID_ARGUMENT, not gRPC's UNKNOWN: the handler's deserializer
+    is wrapped."""
 
     async def intercept_service(self, continuation, handler_call_details):
         handler = await continuation(handler_call_details)
@@ -85,10 +119,11 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
             trailing = exc.trailing_metadata() if isinstance(exc, RpcError) else ()
             await context.abort(code, message, trailing_metadata=trailing)
 
-        def wrap_unary(fn):
+        def wrap_unary(fn, streaming_request: bool = False):
             async def wrapped(request, context):
                 logs.request_id.set(getattr(request, "request_id", ""))
                 try:
+                    request = _decoded_stream(request) if streaming_request else _decoded(request)
                     return await fn(request, context)
                 except (asyncio.CancelledError, grpc.aio.AbortError):
                     raise
@@ -101,6 +136,9 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 logs.request_id.set(getattr(request, "request_id", ""))
                 # aclosing: a stream closed early closes the handler now (its finally cancels
                 # downstream calls, frees the sequence), not whenever it is collected
+                if isinstance(request, _Undecodable):
+                    await abort(context, InvalidRequestError(
+                        f"the request is not a valid message of its type: {request.error}"))
                 async with contextlib.aclosing(fn(request, context)) as steps:
                     try:
                         async for item in steps:
@@ -111,13 +149,14 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                         await abort(context, exc)
             return wrapped
 
+        deserializer = _safe(handler.request_deserializer)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                wrap_unary(handler.unary_unary), handler.request_deserializer, handler.response_serializer)
+                wrap_unary(handler.unary_unary), deserializer, handler.response_serializer)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                wrap_stream(handler.unary_stream), handler.request_deserializer, handler.response_serializer)
+                wrap_stream(handler.unary_stream), deserializer, handler.response_serializer)
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
-                wrap_unary(handler.stream_unary), handler.request_deserializer, handler.response_serializer)
+                wrap_unary(handler.stream_unary, streaming_request=True), deserializer, handler.response_serializer)
         return handler

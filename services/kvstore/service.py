@@ -15,7 +15,7 @@ import grpc
 from ember.errors import InvalidRequestError
 from ember.kv import codec
 from ember.kv.chunks import Assembler, split
-from ember.rpc import metrics, tracing
+from ember.rpc import metrics, tracing, validate
 from ember.rpc.errors import RpcError
 from ember.rpc.server import remaining
 from ember.services.kvstore.pull import PeerFetcher, file_frame
@@ -33,13 +33,14 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         self._inflight: dict[bytes, asyncio.Future] = {}  # one fetch per block at a time
 
     async def Lookup(self, request, context):
-        present = [h in self.store for h in request.block_hashes]
+        present = [h in self.store for h in validate.block_hashes(request.block_hashes)]
         prefix = next((i for i, p in enumerate(present) if not p), len(present))
         return kvstore_pb2.LookupResponse(present=present, prefix_blocks=prefix)
 
     async def Put(self, request_iterator, context):
         assembler, stored, present = Assembler(), 0, 0
         async for chunk in request_iterator:
+            validate.block_hashes([chunk.block_hash], "block_hash")
             try:
                 block = assembler.add(chunk.block_hash, chunk.block_bytes, chunk.offset, chunk.data)
             except ValueError as e:
@@ -75,7 +76,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         return slot, self.store.view(slot)
 
     async def Get(self, request, context):
-        hashes = list(request.block_hashes)
+        hashes = validate.block_hashes(request.block_hashes)
         with self.store.pinned(hashes) as frames:  # no slot is reused while it streams out
             for h, frame in zip(hashes, frames):
                 if frame is None:
@@ -84,7 +85,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
                 yield kvstore_pb2.BlockChunk(block_hash=block_hash, block_bytes=total, offset=offset, data=data)
 
     async def Pull(self, request, context):
-        hashes = list(dict.fromkeys(request.block_hashes))
+        hashes = list(dict.fromkeys(validate.block_hashes(request.block_hashes)))
+        validate.address(request.source, "source")
         if not request.lease_s >= 0:  # NaN too
             raise InvalidRequestError(f"lease_s must be >= 0 (0: no lease), got {request.lease_s}")
         if request.lease_s == 0:
@@ -166,7 +168,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             store_id=self.store_id)
 
     async def Acquire(self, request, context):
-        hashes = list(request.block_hashes)
+        hashes = validate.block_hashes(request.block_hashes)
         return self._lease_pb(self.store.acquire(hashes, request.lease_s).lease_id, hashes)
 
     async def Renew(self, request, context):
