@@ -15,8 +15,7 @@ import grpc
 from prometheus_client import Counter
 
 from ember.kv.block_hash import chain_hashes
-from ember.rpc import metrics, tracing
-from ember.rpc.convert import sampling_from_pb
+from ember.rpc import metrics, tracing, validate
 from ember.rpc.errors import RpcError, require_ready
 from ember.rpc.server import remaining
 from ember.serving.messages import KVPlan
@@ -43,7 +42,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
     async def Decode(self, request, context):
         require_ready(self.engine)
         tracing.received(context, request.request_id)
-        params = sampling_from_pb(request.sampling)
+        params = validate.decode_request(request, self.engine.info)
         info = self.engine.info
         prompt, wanted = list(request.prompt_token_ids), list(request.block_hashes)
         # what the client has already: nothing (decode-only fallback), the prefill's first token,

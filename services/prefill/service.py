@@ -16,8 +16,7 @@ import grpc
 
 from ember.engine.detokenizer import streamed_text
 from ember.kv.block_hash import chain_hashes
-from ember.rpc import metrics, tracing
-from ember.rpc.convert import sampling_from_pb
+from ember.rpc import metrics, tracing, validate
 from ember.rpc.errors import RpcError, require_ready
 from ember.rpc.server import remaining
 from ember.serving.messages import KVPlan
@@ -39,7 +38,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
     async def Prefill(self, request, context):
         require_ready(self.engine)
         tracing.received(context, request.request_id)
-        params = sampling_from_pb(request.sampling)
+        params = validate.prefill_request(request, self.engine.info)
         prompt = list(request.token_ids)
         info = self.engine.info
         hashes = chain_hashes(prompt, info.block_size, info.root_hash)
