@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import struct
 
 import pytest
 
@@ -128,6 +129,32 @@ def test_data_plane_refuses_a_damaged_block_and_never_files_it():
         assert len(dst.free_slots) == 3, "the damaged block's slot went back to the free list"
         server.close()
     asyncio.run(run())
+
+
+def test_data_plane_cuts_off_a_receiver_that_takes_nothing_and_unpins_its_blocks():
+    store = BlockStore(4 * wire.frame_bytes(LAYOUT.block_bytes))
+    h, f = frame(0)
+    store.put(h, f)
+    repeats = 64 * 2**20 // len(f)  # 64 MiB asked for: more than socket buffers hold
+
+    async def run():
+        server = await transfer.serve("127.0.0.1", 0, store.pinned, stall_s=0.3)
+        host, port = server.sockets[0].getsockname()
+        reader, writer = await asyncio.open_connection(host, port)  # a receiver that then reads nothing
+        writer.write(struct.pack("<4sBxxxI", transfer.MAGIC, codec.RAW, repeats) + h * repeats)
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + 10
+        while not store.pins:  # the stream is under way
+            assert loop.time() < give_up
+            await asyncio.sleep(0.01)
+        stalled = loop.time()
+        while store.pins:  # cut off once its buffers are full and nothing moves for stall_s
+            assert loop.time() < give_up, "a frozen receiver kept its blocks pinned"
+            await asyncio.sleep(0.01)
+        assert loop.time() - stalled >= 0.3
+        writer.close()
+        server.close()
+    asyncio.run(asyncio.wait_for(run(), 30))
 
 
 class Clock:

@@ -11,7 +11,9 @@ Response: per block, in order: 16-byte hash, uint64 length, then a wire frame
           it smaller, else raw. A missing block is answered with length 2**64-1 and the
           connection closes.
 The receiver verifies every frame (layout, lengths, checksum) before handing it on and
-stores it raw, so a damaged block is never filed.
+stores it raw, so a damaged block is never filed. The sender pins the blocks for the life of
+the connection, and abandons a receiver that takes nothing for `stall_s` (a blackholed or
+frozen peer), so no pin outlives a dead transfer by more than that.
 """
 from __future__ import annotations
 
@@ -36,10 +38,22 @@ class BlockMissing(NotFoundError):
     """The peer does not hold a requested block (evicted, or never stored)."""
 
 
-async def serve(host: str, port: int, pinned: Callable) -> asyncio.AbstractServer:
+STALL_S = 60.0
+
+
+async def serve(host: str, port: int, pinned: Callable, stall_s: float = STALL_S) -> asyncio.AbstractServer:
     """`pinned(hashes)` is a context manager giving frames (None if missing) that stay
-    valid while it is held (BlockStore.pinned)."""
+    valid while it is held (BlockStore.pinned). A receiver that accepts no bytes for
+    `stall_s` is cut off (its pins released)."""
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        async def drained():  # TimeoutError once the receiver takes nothing for stall_s
+            while True:
+                queued = writer.transport.get_write_buffer_size()
+                try:
+                    return await asyncio.wait_for(writer.drain(), stall_s)
+                except TimeoutError:
+                    if writer.transport.get_write_buffer_size() >= queued:
+                        raise
         try:
             magic, codec_id, count = _REQUEST.unpack(await reader.readexactly(_REQUEST.size))
             if magic != MAGIC or codec_id not in codec.NAMES:
@@ -54,8 +68,10 @@ async def serve(host: str, port: int, pinned: Callable) -> asyncio.AbstractServe
                     header, body = wire.reencode(frame, codec_id)
                     writer.write(_HEADER.pack(h, wire.HEADER_BYTES + len(body)) + header.pack())
                     writer.write(body)
-                    await writer.drain()
-                await writer.drain()
+                    await drained()
+                await drained()
+        except TimeoutError:
+            writer.transport.abort()  # drop what is still queued: it may be a view of a slot unpinned now
         except (asyncio.IncompleteReadError, ConnectionError, wire.FrameError):
             pass
         finally:
