@@ -1,0 +1,322 @@
+"""SIGTERM drains every service kind of a real cluster: health turns NOT_SERVING at once and
+calls are still served for the drain notice (so the router's 0.5 s health polls move away
+first), then new calls are refused while the in-flight ones run to completion, and the process
+exits 0. Prefill and decode answer NOT_SERVING until their model is warm.
+
+One cluster for the module (router, prefill@central, decode@edge, two kvstores), launched here
+so the test holds each process and reads its exit code; the tests drain decode, prefill and the
+kvstores in turn (the router's drain: tests/test_cluster.py, a second router in front of that
+module's cluster). Every wait polls a condition against a deadline."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from ember.cluster.launcher import service_commands, wait_serving
+from ember.config.load import load_config
+from ember.rpc.server import CHANNEL_OPTIONS, Server
+from ember.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    kvstore_pb2,
+    kvstore_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+from tests.cluster_fixture import write_config
+
+SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+NOTICE_S = Server.DRAIN_NOTICE_S
+EXIT_S = 20  # SIGTERM to exit: the notice, the in-flight calls' end, the engine core's shutdown
+
+
+def health(address: str, timeout_s: float = 0.5) -> int | None:
+    """The server's overall health status, or None when it does not answer."""
+    with grpc.insecure_channel(address) as ch:
+        try:
+            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s).status
+        except grpc.RpcError:
+            return None
+
+
+def wait_until(condition: Callable[[], object], timeout_s: float, what: str, every_s: float = 0.02):
+    """`condition()`'s first truthy value; fails after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(every_s)
+    return value
+
+
+def refused(call: Callable[[], object]) -> grpc.StatusCode | None:
+    """The status a new call is refused with, or None when it is served."""
+    try:
+        call()
+        return None
+    except grpc.RpcError as e:
+        return e.code()
+
+
+def drain(proc: subprocess.Popen, address: str, in_flight: Future, probe: Callable[[], object],
+          router_sees: Callable[[], bool] | None = None, finish: Callable[[], None] | None = None
+          ) -> dict[str, float]:
+    """SIGTERM `proc` while `in_flight` runs and check the drain: NOT_SERVING at once, `probe` (a new
+    call) still served during the notice and refused after it while `in_flight` still runs, and
+    exit 0. With `router_sees`: the router counted the worker down before any call was refused.
+    `finish` lets the in-flight call end (once the refusal is seen). Returns the seconds from the
+    signal to each event."""
+    assert not in_flight.done() and health(address) == SERVING
+    assert refused(probe) is None
+    start = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    wait_until(lambda: health(address) == NOT_SERVING, 5, "health NOT_SERVING after SIGTERM")
+    at = {"not_serving_s": time.monotonic() - start}
+    assert refused(probe) is None, "still serving during the drain notice"
+    at["served_in_notice_s"] = time.monotonic() - start
+    if router_sees is not None:
+        wait_until(lambda: not router_sees(), NOTICE_S + 1, "the router counts the worker down")
+        at["router_down_s"] = time.monotonic() - start
+    code = wait_until(lambda: refused(probe), NOTICE_S + 3, "new calls refused after the notice")
+    at["refused_s"] = time.monotonic() - start
+    assert code == grpc.StatusCode.UNAVAILABLE, code
+    assert not in_flight.done(), "refused while a call was still in flight (not after the exit)"
+    if router_sees is not None:
+        assert at["router_down_s"] < at["refused_s"], at
+    assert at["refused_s"] >= NOTICE_S * 0.9, at
+    if finish is not None:
+        finish()
+    in_flight.result(timeout=EXIT_S)  # the in-flight call ran to completion (the caller checks it)
+    assert proc.wait(timeout=EXIT_S) == 0
+    at["exit_s"] = time.monotonic() - start
+    return at
+
+
+class Cluster:
+    """The module's cluster: one process per service, held by this test (exit codes)."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.config = load_config(run_dir / "cluster.yaml")
+        self.commands = service_commands(self.config, run_dir / "cluster.yaml", run_dir)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.startup: dict[str, list[tuple[float, int | None, str]]] = {}  # name -> (s, health, probe)
+
+    def address(self, name: str) -> str:
+        return self.commands[name][1]
+
+    def metrics(self, name: str) -> str:
+        argv = self.commands[name][0]
+        return argv[argv.index("--metrics-listen") + 1]
+
+    def start(self, timeout_s: float = 240) -> None:
+        env = dict(os.environ)
+        env.pop("EMBER_OMP_PASSIVE", None)
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        env.setdefault("EMBER_LOG_FORMAT", "json")
+        env["EMBER_TRACE_DIR"] = str(self.run_dir)
+        watchers = []
+        for name, (argv, _) in self.commands.items():
+            with open(self.run_dir / f"{name}.log", "ab") as log:
+                self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.run_dir,
+                                                    env=env, start_new_session=True)
+            if name.startswith(("prefill", "decode")):
+                watchers.append(threading.Thread(target=self._watch_startup, args=(name, timeout_s), daemon=True))
+                watchers[-1].start()
+        deadline = time.monotonic() + timeout_s
+        for name, (_, address) in self.commands.items():
+            wait_serving(address, deadline, self.procs[name], self.run_dir / f"{name}.log")
+        for w in watchers:
+            w.join(timeout=10)
+
+    def _watch_startup(self, name: str, timeout_s: float) -> None:
+        """Poll a starting engine worker's health, and a real call to it, until it is SERVING."""
+        start, seen = time.monotonic(), self.startup.setdefault(name, [])
+        address = self.address(name)
+        with grpc.insecure_channel(address) as ch:
+            if name.startswith("decode"):
+                def call():
+                    decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.DecodeStatsRequest(), timeout=2)
+            else:
+                def call():
+                    prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
+                        request_id="warm-probe", token_ids=[1, 2, 3], sampling=common_pb2.SamplingParams(max_tokens=1)),
+                        timeout=30)
+            while time.monotonic() - start < timeout_s:
+                status = health(address)
+                probe = "-"
+                if status is not None:
+                    code = refused(call)
+                    probe = "ok" if code is None else code.name
+                seen.append((time.monotonic() - start, status, probe))
+                if status == SERVING:
+                    return
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 15
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for proc in self.procs.values():  # the whole session: a worker's engine core too
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory, model_path):
+    run_dir = tmp_path_factory.mktemp("drain")
+    write_config(run_dir / "cluster.yaml")
+    c = Cluster(run_dir)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+def scrape(address: str) -> dict[str, float]:
+    """A service's /metrics: `name{k=v,...}` -> value."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            values[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return values
+
+
+def router_sees(cluster: Cluster, name: str) -> Callable[[], bool]:
+    role, site = name.split("-", 1)
+    key = f"ember:worker_live{{address={cluster.address(name)},role={role},site={site}}}"
+    return lambda: scrape(cluster.metrics("router")).get(key) == 1.0
+
+
+@pytest.mark.parametrize("name", ["prefill-central", "decode-edge"])
+def test_an_engine_worker_is_not_serving_until_its_model_is_warm(cluster, name):
+    seen = cluster.startup[name]
+    answered = [(t, status, probe) for t, status, probe in seen if status is not None]
+    assert answered, seen
+    first, last = answered[0], answered[-1]
+    assert first[1] == NOT_SERVING and last[1] == SERVING, answered
+    cold = [a for a in answered if a[1] == NOT_SERVING]
+    # it listens at once and says NOT_SERVING through the model's load; calls meanwhile are
+    # UNAVAILABLE (retry elsewhere), never served half-warm; once SERVING it serves
+    assert all(probe in ("UNAVAILABLE", "-") for _, _, probe in cold), cold
+    assert any(probe == "UNAVAILABLE" for _, _, probe in cold), cold
+    assert answered.index(last) == len(answered) - 1 and last[2] == "ok", answered
+
+
+def test_sigterm_drains_decode(cluster):
+    name, address = "decode-edge", cluster.address("decode-edge")
+    ids = list(range(100, 140))
+
+    def stream() -> list[decode_pb2.DecodeResponse]:
+        request = decode_pb2.DecodeRequest(request_id="drain-decode", prompt_token_ids=ids, prefill_here=True,
+                                           sampling=common_pb2.SamplingParams(max_tokens=50, ignore_eos=True))
+        with grpc.insecure_channel(address) as ch:
+            messages = decode_pb2_grpc.DecodeStub(ch).Decode(request, timeout=60)
+            out = [next(messages)]
+            first.set_result(True)
+            return out + list(messages)
+
+    def probe():
+        with grpc.insecure_channel(address) as ch:
+            decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.DecodeStatsRequest(), timeout=2)
+    first: Future = Future()
+    with ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(stream)
+        first.result(timeout=60)
+        at = drain(cluster.procs[name], address, in_flight, probe, router_sees(cluster, name))
+        out = in_flight.result()
+    assert sum(len(m.token_ids) for m in out) == 50 and out[-1].finished, "the in-flight stream ran to completion"
+    print(name, at)
+
+
+def test_sigterm_drains_prefill(cluster):
+    name, address = "prefill-central", cluster.address("prefill-central")
+    prompts = [[100 + (i * 7919 + j * 31) % 40000 for j in range(512)] for i in range(2)]  # uncached
+
+    def prefill(i: int) -> prefill_pb2.PrefillResponse:
+        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+            return prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
+                request_id=f"drain-prefill-{i}", token_ids=prompts[i],
+                sampling=common_pb2.SamplingParams(max_tokens=8)), timeout=120)
+
+    def probe():  # a call answered by the handler itself, ahead of the busy engine
+        with grpc.insecure_channel(address) as ch:
+            try:
+                prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
+                    request_id="drain-probe", token_ids=list(range(1, 17)), block_hashes=[b"x" * 16],
+                    sampling=common_pb2.SamplingParams(max_tokens=1)), timeout=5)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+
+    def store_reads() -> int:  # the engine core asks the site kvstore for a prompt's blocks first
+        return sum(line.count('"/ember.v1.KVStore/Acquire"') for f in cluster.run_dir.glob("kvstore-central-*.jsonl")
+                   for line in f.read_text().splitlines() if '"SERVER"' in line)
+    before = store_reads()
+    with ThreadPoolExecutor(3) as pool:
+        calls = [pool.submit(prefill, i) for i in range(len(prompts))]
+        wait_until(lambda: store_reads() - before >= len(prompts), 30, "both prefills in the engine core")
+        in_flight = pool.submit(lambda: [c.result() for c in calls])
+        at = drain(cluster.procs[name], address, in_flight, probe, router_sees(cluster, name))
+        for response in in_flight.result():
+            assert response.computed_tokens == 512 and response.blocks_stored == 512 // 16
+    print(name, at)
+
+
+@pytest.mark.parametrize("name", ["kvstore-edge", "kvstore-central"])
+def test_sigterm_drains_a_kvstore(cluster, name):
+    from ember.config.derived import model_facts
+    from ember.kv import wire
+    from ember.kv.block_hash import root_hash
+    from ember.kv.chunks import split
+    address = cluster.address(name)
+    layout = model_facts(cluster.config).kv_layout  # frames of the cluster's own model
+    template = wire.layout_header(layout, root_hash(layout))
+    hashes = [os.urandom(16) for _ in range(4)]
+    blocks = [(h, wire.encode_frame(template, h, bytes(layout.block_bytes))) for h in hashes]
+    chunks = [kvstore_pb2.BlockChunk(block_hash=h, block_bytes=n, offset=o, data=d) for h, n, o, d in split(blocks)]
+    release = threading.Event()
+
+    def stats() -> kvstore_pb2.StatsResponse:
+        with grpc.insecure_channel(address) as ch:
+            return kvstore_pb2_grpc.KVStoreStub(ch).Stats(kvstore_pb2.StatsRequest(), timeout=2)
+
+    def put() -> kvstore_pb2.PutResponse:
+        def held():  # the first block now, the rest once the drain is under way
+            yield from chunks[:1]
+            release.wait(timeout=60)
+            yield from chunks[1:]
+        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+            return kvstore_pb2_grpc.KVStoreStub(ch).Put(held(), timeout=60)
+    before = stats().blocks_put
+    with ThreadPoolExecutor(1) as pool:
+        in_flight = pool.submit(put)
+        wait_until(lambda: stats().blocks_put > before, 10, "the Put's first block stored (the call is open)")
+        at = drain(cluster.procs[name], address, in_flight, stats, finish=release.set)
+        assert in_flight.result().blocks_stored == len(blocks), "the in-flight Put ran to completion"
+    print(name, at)
