@@ -30,6 +30,14 @@ def run(coro):
     asyncio.run(asyncio.wait_for(coro, 30))
 
 
+async def wait_for(predicate, timeout_s=8.0, every_s=0.02):
+    """Until `await predicate()` holds; fails after `timeout_s`."""
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await predicate():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out after {timeout_s} s"
+        await asyncio.sleep(every_s)
+
+
 @pytest.mark.parametrize("kind", ["memory", "redis"])
 def test_directory_reports_the_longest_cached_prefix_per_site(kind, redis_server):
     async def go():
@@ -48,10 +56,15 @@ def test_directory_reports_the_longest_cached_prefix_per_site(kind, redis_server
 def test_entries_of_a_silent_kvstore_age_out(kind, redis_server):
     async def go():
         d = make_directory(kind, redis_server, ttl_s=0.3)
+        loop = asyncio.get_running_loop()
+        published = loop.time()
         await d.publish("edge", H[:3], [])
         assert (await d.lookup(H[:3], ["edge"]))["edge"] == 3
-        await asyncio.sleep(0.5)
-        assert (await d.lookup(H[:3], ["edge"]))["edge"] == 0, "a dead kvstore's entries expire"
+
+        async def expired():
+            return (await d.lookup(H[:3], ["edge"]))["edge"] == 0
+        await wait_for(expired, 5.0)  # a dead kvstore's entries expire
+        assert loop.time() - published >= 0.3 - 0.02, "not before their TTL"
         await d.close()
     run(go())
 
@@ -73,12 +86,6 @@ def block(i: int) -> tuple[bytes, bytes]:
 
 
 def test_publisher_follows_the_store_and_resyncs_after_redis_comes_back(redis_server):
-    async def wait_for(predicate, timeout_s=8.0):
-        deadline = asyncio.get_running_loop().time() + timeout_s
-        while not await predicate():
-            assert asyncio.get_running_loop().time() < deadline, "timed out"
-            await asyncio.sleep(0.05)
-
     async def go():
         store = BlockStore(3 * 4096)
         reader = RedisDirectory(redis_server.url)
@@ -93,8 +100,11 @@ def test_publisher_follows_the_store_and_resyncs_after_redis_comes_back(redis_se
 
         redis_server.stop()  # crash: the publisher must not fail the store
         store.put(*block(4))
-        await asyncio.sleep(0.5)
-        assert not publisher.healthy and not publisher._task.done(), "still running, marked unhealthy"
+
+        async def unhealthy():
+            return not publisher.healthy
+        await wait_for(unhealthy, 5.0)
+        assert not publisher._task.done(), "still running, marked unhealthy"
         redis_server.start()  # empty: nothing persisted
         await wait_for(lambda: _held(reader, H[2:5]))  # resynced, including the block added meanwhile
 
