@@ -50,6 +50,7 @@ class KVStoreSettings:
     shm_socket: str | None   # None: an abstract socket named after the store; "" : shared memory off
     directory: str           # redis://... or grpc://ROUTER
     directory_ttl_s: float
+    max_lease_s: float       # the longest lease it grants (longer requests are clamped)
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,8 @@ def kvstore_settings(config: ClusterConfig, site_name: str) -> KVStoreSettings:
         raise ValueError(f"site {site_name!r} has no kvstore")
     k = config.kvstore
     return KVStoreSettings(site.name, site.kvstore, site.kvstore_data, k.capacity_mb, k.codec,
-                           k.shm_socket if k.shared_memory else "", config.directory_url(), config.directory.ttl_s)
+                           k.shm_socket if k.shared_memory else "", config.directory_url(), config.directory.ttl_s,
+                           k.max_lease_s)
 
 
 def engine_settings(config: ClusterConfig, role: str, site_name: str, worker: int = 0):

@@ -23,7 +23,7 @@ from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 async def main(args) -> None:
     s = kvstore_settings(args.cluster, args.site)
     server = Server(s.listen, [kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name])
-    store = BlockStore(s.capacity_mb * 2**20, max_lease_s=args.cluster.kvstore.max_lease_s)
+    store = BlockStore(s.capacity_mb * 2**20, max_lease_s=s.max_lease_s)
     metrics.watch_store(store)
     metrics.serve(args.metrics_listen)
     store_id = os.urandom(16)
