@@ -156,7 +156,7 @@ def cmd_status(args) -> int:
 
 BENCHES = {"engine": "engine_bench", "disagg": "disagg_bench", "kv": "kv_bench", "agentic": "agentic_bench",
            "quality": "quality", "budget": "budget_bench", "served": "served_bench",
-           "simulate": "sim_bench", "placement": "placement_bench"}
+           "simulate": "sim_bench", "placement": "placement_bench", "chaos": "chaos", "overload": "overload"}
 
 
 def cmd_bench(args) -> int:
@@ -207,17 +207,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks that write JSON")
     b.add_argument("what", choices=list(BENCHES))
-    b.add_argument("--output", default=None, help="JSON path (default bench-out/WHAT.json)")
+    b.add_argument("--output", "--out", default=None, help="JSON path (default bench-out/WHAT.json)")
     b.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     b.add_argument("--systems", help="agentic: comma-separated subset of llama-server,transformers,"
                                      "ember-colocated,ember-disagg (default: all)")
-    b.add_argument("--cluster-config", help="agentic: the cluster YAML ember-disagg runs (default: the shipped "
-                                            "configs/local.yaml), laid onto free ports")
+    b.add_argument("--cluster-config", help="agentic, overload: the cluster YAML to run (default: the shipped "
+                                            "configs/local.yaml; chaos: configs/local-ha.yaml), laid onto free ports")
     b.add_argument("--phases", help="agentic: comma-separated subset of replay,streams16,single_stream (default: all)")
     b.add_argument("--arrival-rate", type=float, default=0.0,
                    help="agentic: sessions arrive as a Poisson process of this rate (1/s); 0 = all at once")
     b.add_argument("--slo-ttft", type=float, default=5.0, help="agentic: TTFT SLO (s) for goodput")
     b.add_argument("--slo-tpot", type=float, default=0.2, help="agentic: time-per-output-token SLO (s) for goodput")
+    b.add_argument("--scenarios", help="chaos: comma-separated subset of decode_kill,prefill_kill,kvstore_kill,"
+                                       "blackhole (default: all)")
+    b.add_argument("--stall-timeout-s", type=float, default=2.0,
+                   help="chaos: router.stall_timeout_s of the blackhole scenario's cluster (shipped default: 30)")
+    b.add_argument("--max-inflight", type=int, default=8, help="overload: router.max_inflight (default: %(default)s)")
+    b.add_argument("--clients", type=int, default=80, help="overload: concurrent streams (default: %(default)s)")
     _add_engine_args(b)
     b.set_defaults(func=cmd_bench)
 
