@@ -25,6 +25,7 @@ MAX_BLOCK_HASHES = 65536       # per call: 1M tokens of 16-token blocks, more th
 MAX_PUBLISHED_BLOCKS = 2**22   # per directory publish (a full refresh lists a store's every block)
 MAX_SITES = 256                # per directory lookup
 MAX_CHAT_MESSAGES = 4096
+MIN_LEASE_S = 0.01             # a shorter lease would expire before its blocks are even pinned
 # Text is capped before it is tokenized: at most this, and at most what could still fit the
 # context (RouterService: max_model_len x the vocabulary's longest token, in bytes).
 MAX_TEXT_BYTES = 4 * 2**20
@@ -45,11 +46,12 @@ def utf8_bytes(text: str) -> int:
     return len(text.encode("utf-8", "surrogatepass"))
 
 
-def text_size(text: str, field: str, limit: int) -> None:
+def text_size(text: str, field: str, limit: int, why: str = "") -> None:
     """`text` is at most `limit` UTF-8 bytes (checked by length first: no copy of a huge text)."""
     if len(text) > limit or utf8_bytes(text) > limit:
         size = len(text) if len(text) > limit else utf8_bytes(text)
-        raise invalid(f"{field} is {size} bytes or more; at most {limit} bytes are accepted")
+        raise invalid(f"{field} is {size} bytes or more; at most {limit} bytes are accepted" +
+                      (f" ({why})" if why else ""))
 
 
 def name(value: str, field: str, limit: int = MAX_ID_BYTES) -> str:
@@ -91,6 +93,13 @@ def block_hashes(hashes: Iterable[bytes], field: str = "block_hashes", limit: in
 def seconds(value: float, field: str) -> float:
     if not math.isfinite(value):
         raise invalid(f"{field} must be a finite number of seconds, got {value}")
+    return value
+
+
+def lease_s(value: float, field: str = "lease_s") -> float:
+    """A lease's requested time to live: at least MIN_LEASE_S (the store clamps it from above)."""
+    if not value >= MIN_LEASE_S:  # NaN too
+        raise invalid(f"{field} must be at least {MIN_LEASE_S} s, got {value}")
     return value
 
 

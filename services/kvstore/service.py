@@ -87,6 +87,8 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
     async def Pull(self, request, context):
         hashes = list(dict.fromkeys(validate.block_hashes(request.block_hashes)))
         validate.address(request.source, "source")
+        if request.lease_s > 0:
+            validate.lease_s(request.lease_s)
         if not request.lease_s >= 0:  # NaN too
             raise InvalidRequestError(f"lease_s must be >= 0 (0: no lease), got {request.lease_s}")
         if request.lease_s == 0:
@@ -169,9 +171,11 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
 
     async def Acquire(self, request, context):
         hashes = validate.block_hashes(request.block_hashes)
+        validate.lease_s(request.lease_s)
         return self._lease_pb(self.store.acquire(hashes, request.lease_s).lease_id, hashes)
 
     async def Renew(self, request, context):
+        validate.lease_s(request.lease_s)
         try:
             lease = self.store.renew(request.lease_id, request.lease_s)
         except LeaseError as e:
