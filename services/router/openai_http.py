@@ -19,6 +19,7 @@ from aiohttp import web
 from opentelemetry.instrumentation.aiohttp_server import AioHttpServerInstrumentor
 from pydantic import ValidationError
 
+from ember.rpc import validate
 from ember.rpc.errors import status_for
 from ember.rpc.server import bind_address
 from ember.services.router.openai_models import (
@@ -38,6 +39,11 @@ HTTP_STATUS = {
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
     grpc.StatusCode.DATA_LOSS: (500, "server_error"),
 }
+
+
+# The largest body read: the router's text cap plus room for the rest of a request (a longer
+# text is refused by that cap anyway, without parsing a body that size on the event loop).
+MAX_BODY_BYTES = validate.MAX_TEXT_BYTES + 2**20
 
 
 def error_response(status: int, kind: str, message: str, param: str | None = None,
@@ -73,7 +79,7 @@ def _traced_app() -> web.Application:
     # the middleware needs the instrumentor's set-up (tracer, exclusions, metrics); once
     # instrumented, every web.Application starts with the middleware (idempotent)
     AioHttpServerInstrumentor().instrument()
-    return web.Application()
+    return web.Application(client_max_size=MAX_BODY_BYTES)
 
 
 class OpenAIApp:
@@ -113,6 +119,9 @@ class OpenAIApp:
     async def _run(self, http: web.Request, model: type[GenerationRequest], build, chat: bool) -> web.StreamResponse:
         try:
             body = model.model_validate_json(await http.read())
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(400, "invalid_request_error", f"the request body is larger than "
+                                  f"{MAX_BODY_BYTES} bytes, the most this server accepts")
         except ValidationError as e:
             return error_response(400, "invalid_request_error", *invalid_request(e))
         pb = build(body)

@@ -4,7 +4,9 @@ Validation is strict on types (a string is not a number, `true` is not 1) and JS
 `ChatCompletionRequest.model_validate_json(body)`. Fields OpenAI clients send that Ember does
 not use (`user`, `logprobs`, `frequency_penalty`, ...) are accepted and ignored (`extra="allow"`).
 Ember's extensions (`extra_body` in the openai client): `user_region`, `session_id`, `top_k`,
-`ignore_eos`. `invalid_request` turns a `ValidationError` into OpenAI's error fields: a message
+`ignore_eos`. Sizes are capped (stop strings, messages, tools, logit_bias entries, names; the
+text itself by the router, before tokenizing): ember.rpc.validate. `invalid_request` turns a
+`ValidationError` into OpenAI's error fields: a message
 and `param`, the dotted path of the first offending field (`messages.0.content`, `max_tokens`).
 
 To extend (tool calls, response_format): add a typed field to the model, keeping types out of
@@ -17,8 +19,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator
 from pydantic_core import PydanticCustomError
 
+from ember.rpc import validate
+
 DEFAULT_MAX_TOKENS = 256
 UINT32 = 2**32
+MAX_LOGIT_BIAS = 300   # entries (accepted and ignored: Ember does not bias logits)
+MAX_TOOLS = 128
+Name = Annotated[str, Field(max_length=validate.MAX_ID_BYTES)]
 
 
 class OpenAIModel(BaseModel):
@@ -45,7 +52,7 @@ class ChatMessage(OpenAIModel):
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     # a string arrives as one text part, so a bad value names this field, not a union member
     content: Annotated[list[ContentPart] | None, BeforeValidator(_content_parts)] = None
-    name: str | None = None
+    name: Name | None = None
 
     @property
     def text(self) -> str:
@@ -66,22 +73,24 @@ def _stop_list(value: Any) -> Any:
 
 class GenerationRequest(OpenAIModel):
     """What /v1/chat/completions and /v1/completions share: model, sampling, streaming."""
-    model: str | None = None
+    model: Name | None = None
     max_tokens: int | None = Field(None, gt=0, lt=UINT32)
     max_completion_tokens: int | None = Field(None, gt=0, lt=UINT32)
     n: int = 1
-    stop: Annotated[list[Annotated[str, Field(min_length=1)]] | None, BeforeValidator(_stop_list)] = None
+    stop: Annotated[list[Annotated[str, Field(min_length=1, max_length=validate.MAX_STOP_STRING_BYTES)]] | None,
+                    Field(max_length=validate.MAX_STOP_STRINGS), BeforeValidator(_stop_list)] = None
     temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Name | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = Field(None, max_length=MAX_LOGIT_BIAS)
     # Ember's extensions
     top_k: int | None = Field(None, ge=0, lt=UINT32)
     ignore_eos: bool = False
-    user_region: str | None = None
-    session_id: str | None = None
+    user_region: Name | None = None
+    session_id: Name | None = None
 
     @field_validator("n")
     @classmethod
@@ -100,8 +109,8 @@ class GenerationRequest(OpenAIModel):
 
 
 class ChatCompletionRequest(GenerationRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    tools: list[dict[str, Any]] | None = None
+    messages: list[ChatMessage] = Field(min_length=1, max_length=validate.MAX_CHAT_MESSAGES)
+    tools: list[dict[str, Any]] | None = Field(None, max_length=MAX_TOOLS)
     tool_choice: Any = None
 
 

@@ -19,12 +19,13 @@ import time
 import uuid
 
 import grpc
+from jinja2.exceptions import TemplateError
 
 from ember.kv.block_hash import chain_hashes
 from ember.kv.directory import BlockDirectory
 from ember.model.tokenizer import Tokenizer
 from ember.placement.policy import Load, NoCapacity, Placer, Request
-from ember.rpc import logs, metrics, tracing
+from ember.rpc import logs, metrics, tracing, validate
 from ember.rpc.convert import sampling_from_pb, sampling_to_pb
 from ember.rpc.errors import RpcError
 from ember.rpc.server import remaining
@@ -34,10 +35,25 @@ from ember.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2
 log = logging.getLogger("ember.router")
 DIRECTORY_TIMEOUT_S = 0.5
 DIRECTORY_RETRY_S = 1.0
+INLINE_TOKENIZE_CHARS = 8192  # shorter texts are tokenized on the event loop (< 1 ms)
 
 
 def invalid(message: str) -> RpcError:
     return RpcError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def text_cap(tokenizer: Tokenizer, max_model_len: int, limit: int | None = None) -> tuple[int, str]:
+    """The most UTF-8 bytes of text a request may carry, and why: no more than could still fit the
+    context (max_model_len tokens of the vocabulary's longest token; a normalizer could shrink text,
+    so then only the fixed cap), never more than validate.MAX_TEXT_BYTES or `limit`."""
+    cap, reason = limit or validate.MAX_TEXT_BYTES, "the router's text limit"
+    if tokenizer.backend.normalizer is None:
+        texts = tokenizer.backend.decode_batch([[i] for i in range(tokenizer.vocab_size)], skip_special_tokens=False)
+        longest = max(len(t.encode()) for t in texts) + 4  # (+4: a decoder may drop a leading space)
+        if max_model_len * longest < cap:
+            cap = max_model_len * longest
+            reason = f"more cannot fit the context of {max_model_len} tokens of at most {longest} bytes"
+    return cap, reason
 
 
 def unavailable(message: str) -> RpcError:
@@ -79,7 +95,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, tokenizer: Tokenizer, model_id: str, max_model_len: int, vocab_size: int,
                  placer: Placer, workers: WorkerPool, block_size: int, root_hash: bytes, directory: BlockDirectory,
                  max_inflight: int = 256, max_migrations: int = 2, retry_after_s: float = 1.0,
-                 stall_timeout_s: float = 30.0):
+                 stall_timeout_s: float = 30.0, max_text_bytes: int | None = None):
         self.tokenizer = tokenizer
         self.model_id = model_id
         self.max_model_len = max_model_len
@@ -92,6 +108,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.block_size, self.root_hash = block_size, root_hash
         self.directory, self.sites = directory, [s.name for s in placer.config.sites]
         self._directory_retry_at = 0.0  # after a failure, skip the directory for a while
+        self.max_text_bytes, self.text_cap_reason = text_cap(tokenizer, max_model_len, max_text_bytes)
 
     async def _cached_blocks(self, hashes: list[bytes]) -> dict[str, int]:
         """Leading prompt blocks held per site, in one directory round trip; {} when the
@@ -110,28 +127,50 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return router_pb2.ListModelsResponse(models=[router_pb2.ModelInfo(id=self.model_id,
                                                                           context_length=self.max_model_len)])
 
-    def _prompt(self, request) -> list[int]:
+    async def _encode(self, text: str) -> list[int]:
+        """Token ids of `text`; a long text is tokenized off the event loop, so running streams
+        are not stalled (`encode_batch` releases the GIL, `encode` does not)."""
+        if len(text) <= INLINE_TOKENIZE_CHARS:
+            return self.tokenizer.encode(text)
+        backend = self.tokenizer.backend  # Tokenizer.encode: add_special_tokens=False
+        return await asyncio.to_thread(lambda: backend.encode_batch([text], add_special_tokens=False)[0].ids)
+
+    async def _prompt(self, request) -> list[int]:
         kind = request.WhichOneof("input")
+        cap = self.max_text_bytes
         if kind == "text":
-            ids = self.tokenizer.encode(request.text)
+            validate.text_size(request.text, "text", cap, self.text_cap_reason)  # before any tokenizing
+            ids = await self._encode(request.text)
         elif kind == "chat":
-            if not request.chat.messages:
+            chat = request.chat
+            if not chat.messages:
                 raise invalid("chat.messages is empty")
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            validate.count(chat.messages, "chat.messages", validate.MAX_CHAT_MESSAGES)
+            chars = sum(len(m.content) for m in chat.messages)
+            size = chars if chars > cap else sum(validate.utf8_bytes(m.content) for m in chat.messages)
+            if size > cap:
+                raise invalid(f"chat.messages hold {size} bytes of content or more; at most {cap} bytes are "
+                              f"accepted ({self.text_cap_reason})")
+            for i, m in enumerate(chat.messages):
+                validate.name(m.role, f"chat.messages[{i}].role")
+            messages = [{"role": m.role, "content": m.content} for m in chat.messages]
             extra = {}
-            if request.chat.tools_json:
+            if chat.tools_json:
+                validate.text_size(chat.tools_json, "chat.tools_json", cap, self.text_cap_reason)
                 try:
-                    extra["tools"] = json.loads(request.chat.tools_json)
+                    tools = json.loads(chat.tools_json)
                 except ValueError as e:
                     raise invalid(f"chat.tools_json is not JSON: {e}") from e
+                if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+                    raise invalid("chat.tools_json must be a JSON list of tool objects")
+                extra["tools"] = tools
             try:
-                ids = self.tokenizer.encode(self.tokenizer.apply_chat_template(messages, **extra))
-            except ValueError as e:
+                text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, **extra)
+            except (ValueError, TemplateError) as e:  # the model's template refused these messages
                 raise invalid(f"chat: {e}") from e
+            ids = await self._encode(text)
         elif kind == "tokens":
-            ids = list(request.tokens.token_ids)
-            if any(t >= self.vocab_size for t in ids):
-                raise invalid(f"tokens.token_ids must be < vocab size {self.vocab_size}")
+            ids = validate.token_ids(request.tokens.token_ids, self.vocab_size, "tokens.token_ids", self.max_model_len)
         else:
             raise invalid("input is required: set text, chat or tokens")
         if not ids:
@@ -153,15 +192,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     async def _generate(self, request, context):
         received = time.perf_counter()
+        for field in ("request_id", "model", "user_region", "session_id"):
+            validate.name(getattr(request, field), field)
         if request.model and request.model != self.model_id:
             raise invalid(f"model {request.model!r} is not served here; use {self.model_id!r} (see ListModels)")
-        try:
-            params = sampling_from_pb(request.sampling)
-        except ValueError as e:
-            raise invalid(f"sampling: {e}") from e
+        params = sampling_from_pb(request.sampling, self.vocab_size, self.max_model_len)  # caps: ember.rpc.validate
         if params.seed is None:  # fixed here, so a migrated or failed-over stream samples the same tokens
             params = dataclasses.replace(params, seed=random.getrandbits(63))
-        prompt = self._prompt(request)
+        prompt = await self._prompt(request)
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise invalid(f"input ({len(prompt)} tokens) + sampling.max_tokens ({params.max_tokens}) exceeds the "
                           f"context length {self.max_model_len}")
