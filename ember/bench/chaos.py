@@ -17,7 +17,8 @@ Scenarios:
   streams that migrated.
 - prefill_kill: SIGKILL a prefill worker while 16 long prompts queue on both; affected: the
   streams whose prefill failed over ("another worker").
-- kvstore_kill_<site>: SIGKILL each kvstore while streams pull blocks through it, restart it;
+- kvstore_kill_<site>: SIGKILL each kvstore at the first token of 8 streams on long prompts
+  (prefill write-backs and decode pulls under way), restart it;
   affected: every stream not finished at the kill. Then fresh prompts pull through the restarted
   store.
 - blackhole: a second cluster, the same config with the router at the prefill site and every
@@ -187,10 +188,9 @@ def kvstore_kill(cluster, store: str, ids: list[list[int]], fresh: list[list[int
     from ember.cluster.chaos import run_streams
     baseline = timing(run_streams(cluster.router, baseline_ids, max_tokens))  # same shape, undisturbed
     before, state = recoveries(cluster), {}
-    started = time.monotonic()
 
     def kill_store(counts) -> bool:
-        if time.monotonic() - started < 0.3 and not any(counts):
+        if not any(counts):  # at the first token: write-backs to central and pulls to edge under way
             return False
         pids = cluster.kill(store)
         state.update(at=time.monotonic(), unfinished=sum(c < max_tokens for c in counts))
