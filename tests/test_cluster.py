@@ -1,7 +1,6 @@
 """The disaggregated path across real processes: router -> prefill -> kvstores -> decode."""
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 import threading
@@ -139,17 +138,57 @@ def test_unknown_model_is_invalid_argument(cluster):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "model" in e.value.details()
 
 
-def test_expired_deadline_is_deadline_exceeded_and_frees_decode(client, cluster):
+def spans_of(cluster, request_id: str, service: str, timeout_s: float = 10) -> list[dict]:
+    """The SERVER spans `service` exported for `request_id` (ember.request_id), once there are any."""
+    import json
+    from pathlib import Path
+    run_dir = Path(cluster["config"]).parent
+    deadline = time.monotonic() + timeout_s
+    while True:
+        spans = [json.loads(line) for f in run_dir.glob(f"{service}-*.jsonl") for line in f.read_text().splitlines()]
+        found = [s for s in spans if s["kind"] == "SERVER" and s["attributes"].get("ember.request_id") == request_id]
+        if found:
+            return found
+        assert time.monotonic() < deadline, f"{service} exported no span for {request_id}"
+        time.sleep(0.05)
+
+
+def aborted(cluster, reason: str) -> float:
+    import json
+    from pathlib import Path
+    services = json.loads((Path(cluster["config"]).parent / "services.json").read_text())
+    return scrape(services["decode-edge"]["metrics"]).get(f"ember:requests_aborted_total{{reason={reason}}}", 0)
+
+
+def test_the_clients_deadline_reaches_prefill_and_decode_and_ends_the_stream_there(client, cluster):
+    """The router forwards the caller's time left: prefill and decode receive a deadline within the
+    client's, decode's handler ends at it (aborted: deadline) and the engine frees the sequence
+    at once, whatever the length of the request (2000 tokens would take minutes here)."""
+    before, timeout_s = aborted(cluster, "deadline"), 2.5
     start = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
-        list(client.stream(text="Count from one to one thousand:", max_tokens=400, ignore_eos=True, timeout=1.5))
+        list(client.stream(text="Count from one to one thousand:", max_tokens=2000, ignore_eos=True,
+                           request_id="deadline-1", timeout=timeout_s))
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert time.monotonic() - start < 10
-    wait_for_idle_decode(cluster["decode"])
+    assert time.monotonic() - start < timeout_s + 1
+    wait_for_idle_decode(cluster["decode"], timeout_s=2)
+    [prefill] = spans_of(cluster, "deadline-1", "prefill")
+    [decode] = spans_of(cluster, "deadline-1", "decode")
+    got_prefill, got_decode = prefill["attributes"]["ember.deadline_s"], decode["attributes"]["ember.deadline_s"]
+    # (gRPC rounds a timeout up a little on the wire: 2.5 s left can arrive as 2.509)
+    assert 0 < got_decode < got_prefill <= timeout_s + 0.1, (got_prefill, got_decode)
+    # decode was called once prefill had answered: its deadline is prefill's, less the time gone by
+    gap_s = (decode["start_ns"] - prefill["start_ns"]) / 1e9
+    assert abs(got_decode - (got_prefill - gap_s)) < 0.3, (got_prefill, got_decode, gap_s)
+    assert decode["attributes"]["ember.aborted"] == "deadline" and "ember.finish_reason" not in decode["attributes"]
+    assert decode["attributes"]["ember.tokens_sent"] < 2000
+    assert aborted(cluster, "deadline") - before == 1
 
 
-def test_client_cancel_mid_stream_frees_the_sequence(client, cluster):
-    stream = client.stream(text="Write a long story about a dragon.", max_tokens=400, ignore_eos=True, timeout=120)
+def test_client_cancel_mid_stream_aborts_the_sequence_at_decode_at_once(client, cluster):
+    before = aborted(cluster, "cancelled")
+    stream = client.stream(text="Write a long story about a dragon.", max_tokens=2000, ignore_eos=True,
+                           request_id="cancel-1", timeout=120)
     got = 0
     for msg in stream:
         got += len(msg.token_ids)
@@ -157,8 +196,13 @@ def test_client_cancel_mid_stream_frees_the_sequence(client, cluster):
             break
     busy = decode_stats(cluster["decode"])
     assert busy.running == 1 and busy.used_blocks > 0
+    cancelled_at = time.monotonic()
     stream.cancel()
-    wait_for_idle_decode(cluster["decode"])
+    wait_for_idle_decode(cluster["decode"], timeout_s=2)  # sequence and blocks freed
+    assert time.monotonic() - cancelled_at < 2
+    [decode] = spans_of(cluster, "cancel-1", "decode")
+    assert decode["attributes"]["ember.aborted"] == "cancelled" and decode["attributes"]["ember.tokens_sent"] < 2000
+    assert aborted(cluster, "cancelled") - before == 1
 
 
 def wait_for_idle_decode(address: str, timeout_s: float = 20) -> None:
@@ -167,8 +211,8 @@ def wait_for_idle_decode(address: str, timeout_s: float = 20) -> None:
         s = decode_stats(address)
         if s.running == 0 and s.waiting == 0 and s.used_blocks == 0:
             return
-        assert time.monotonic() < deadline, f"decode did not return to idle: {s}"
-        time.sleep(0.2)
+        assert time.monotonic() < deadline, f"decode did not return to idle within {timeout_s} s: {s}"
+        time.sleep(0.05)
 
 
 def test_decode_refuses_a_block_made_for_another_model_imports_nothing_and_recomputes(cluster, engine):
@@ -263,22 +307,32 @@ def test_router_with_a_dead_prefill_answers_unavailable_not_a_hang(tmp_path, mod
         assert time.monotonic() - start < 20
 
 
-def test_sigterm_drains_in_flight_streams_then_exits(cluster, tmp_path, engine):
+def test_sigterm_drains_the_router(cluster, tmp_path, engine):
+    """NOT_SERVING at once, still served for the notice, then new calls refused while the in-flight
+    stream runs to completion with the undisturbed tokens; exit 0 (tests/test_drain.py: the others)."""
+    from tests.test_drain import drain
     config = yaml.safe_load(open(cluster["config"]))
     config["router"] = {"listen": f"127.0.0.1:{free_port()}"}  # a second router in front of the same cluster
     (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(config))  # (no HTTP: the first one holds its port)
-    with router_process(tmp_path / "cluster.yaml", config["router"]["listen"]) as proc:
-        ids = engine.tokenizer.encode(PROMPTS[2])
-        with RouterClient(config["router"]["listen"]) as c:
-            stream = c.stream(token_ids=ids, max_tokens=30, ignore_eos=True, timeout=60)
-            tokens = list(next(stream).token_ids)
-            proc.send_signal(signal.SIGTERM)  # mid-stream
-            for msg in stream:
-                tokens += msg.token_ids
-            assert len(tokens) == 30 and msg.finished, "the in-flight stream ran to completion"
-            [want] = engine.generate([ids], SamplingParams(max_tokens=30, ignore_eos=True))
-            assert tokens == want.token_ids
-        assert proc.wait(timeout=30) == 0
+    address = config["router"]["listen"]
+    ids = engine.tokenizer.encode(PROMPTS[2])
+    with router_process(tmp_path / "cluster.yaml", address) as proc, RouterClient(address) as c:
+        def probe():  # a new call, answered by the router itself (no tokens spent)
+            try:
+                c.complete(text="", max_tokens=4, timeout=5)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                    raise
+        stream = c.stream(token_ids=ids, max_tokens=40, ignore_eos=True, timeout=60)
+        tokens = list(next(stream).token_ids)
+        with ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(lambda: [msg for msg in stream])
+            print(drain(proc, address, in_flight, probe))
+            rest = in_flight.result()
+    tokens += [t for msg in rest for t in msg.token_ids]
+    assert len(tokens) == 40 and rest[-1].finished, "the in-flight stream ran to completion"
+    [want] = engine.generate([ids], SamplingParams(max_tokens=40, ignore_eos=True))
+    assert tokens == want.token_ids
 
 
 def test_one_request_is_one_trace_across_all_four_services(client, cluster, engine):
@@ -292,7 +346,8 @@ def test_one_request_is_one_trace_across_all_four_services(client, cluster, engi
     def spans():
         return [json.loads(line) for f in run_dir.glob("*.jsonl") for line in f.read_text().splitlines()]
     deadline = time.monotonic() + 10
-    while not (roots := [s for s in spans() if s["attributes"].get("ember.request_id") == "traced-1"]):
+    while not (roots := [s for s in spans() if s["attributes"].get("ember.request_id") == "traced-1"
+                         and s["service"] == "router" and s["kind"] == "SERVER"]):
         assert time.monotonic() < deadline, "the router's span was not exported"
         time.sleep(0.2)
     [root] = roots

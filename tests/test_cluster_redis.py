@@ -2,6 +2,7 @@
 shared memory off, so decode takes the gRPC fallback for KV frames."""
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -10,6 +11,8 @@ import pytest
 from ember.client import RouterClient
 from ember.cluster.launcher import running
 from ember.engine.sampling_params import SamplingParams
+from ember.kv.block_hash import chain_hashes
+from ember.kv.directory import RedisDirectory
 from ember.v1 import decode_pb2, decode_pb2_grpc
 from tests.cluster_fixture import free_port, write_config
 from tests.conftest import LONG_TEXT
@@ -34,13 +37,30 @@ def cached_blocks(client: RouterClient, ids: list[int]) -> dict[str, int]:
     return dict(out.final.placement.cached_blocks)
 
 
+def in_redis(redis: RedisServer, hashes: list[bytes], blocks: int, timeout_s: float = 10) -> None:
+    """Until Redis itself says both sites hold the prompt's first `blocks` blocks."""
+    async def held() -> dict[str, int]:
+        d = RedisDirectory(redis.url)
+        try:
+            return await d.lookup(hashes, ["central", "edge"])
+        except Exception:  # noqa: BLE001 - redis still starting
+            return {}
+        finally:
+            await d.close()
+    deadline = time.monotonic() + timeout_s
+    while (seen := asyncio.run(held())) != {"central": blocks, "edge": blocks}:
+        assert time.monotonic() < deadline, f"the kvstores did not publish to Redis within {timeout_s} s: {seen}"
+        time.sleep(0.05)
+
+
 def test_router_reads_redis_and_requests_survive_a_redis_crash(redis_cluster, engine):
     addr, redis = redis_cluster
     ids = engine.tokenizer.encode(LONG_TEXT[:700])
     full = len(ids) // 16
+    hashes = chain_hashes(ids, 16, engine.block_manager.root_hash)
     with RouterClient(addr["router"]) as client:
         assert cached_blocks(client, ids) == {"central": 0, "edge": 0}, "nothing cached on the first request"
-        time.sleep(0.3)  # kvstores publish in batches every 50 ms
+        in_redis(redis, hashes, full)  # kvstores publish in batches every 50 ms
         assert cached_blocks(client, ids) == {"central": full, "edge": full}
 
         redis.stop()  # crash: the directory is gone, requests must not be
@@ -50,10 +70,8 @@ def test_router_reads_redis_and_requests_survive_a_redis_crash(redis_cluster, en
         assert time.monotonic() - started < 60
 
         redis.start()  # back, empty: kvstores re-publish what they hold
-        deadline = time.monotonic() + 30
-        while (seen := cached_blocks(client, ids)) != {"central": full, "edge": full}:
-            assert time.monotonic() < deadline, f"directory did not recover: {seen}"
-            time.sleep(0.5)
+        in_redis(redis, hashes, full, timeout_s=30)
+        assert cached_blocks(client, ids) == {"central": full, "edge": full}, "the router reads it again"
 
 
 def test_without_shared_memory_decode_streams_frames_over_grpc_and_tokens_match(redis_cluster, engine):

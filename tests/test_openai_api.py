@@ -85,17 +85,19 @@ def test_tools_reach_the_chat_template(model_path):
 
     from ember.model.files import model_folder
     from ember.model.tokenizer import Tokenizer
-    from ember.services.router.service import RouterService
+    from ember.services.router.service import RouterService, text_cap
     from ember.v1 import router_pb2
     base = Tokenizer.from_folder(model_folder(model_path))
     template = "{% for t in tools or [] %}TOOL:{{ t.function.name }};{% endfor %}{{ messages[-1].content }}"
     tokenizer = Tokenizer(base.backend, template, bos_token=base.bos_token, eos_token=base.eos_token)
     service = RouterService.__new__(RouterService)
     service.tokenizer, service.vocab_size = tokenizer, base.vocab_size
+    service.max_text_bytes, service.text_cap_reason = text_cap(tokenizer, 8192)
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
     request = router_pb2.GenerateRequest(chat=router_pb2.ChatInput(
         messages=[router_pb2.ChatMessage(role="user", content="Rain?")], tools_json=json.dumps(tools)))
-    assert tokenizer.decode(service._prompt(request)) == "TOOL:get_weather;Rain?"
+    import asyncio
+    assert tokenizer.decode(asyncio.run(service._prompt(request))) == "TOOL:get_weather;Rain?"
 
 
 def test_a_tools_request_is_accepted(api):
@@ -150,12 +152,19 @@ def test_one_http_chat_request_is_one_trace(cluster, api):
     def spans():
         return [s for f in cluster["run_dir"].glob("*.jsonl") for line in f.read_text().splitlines()
                 if (s := json.loads(line))["trace_id"] == trace_id]
+    wanted = {("router", "POST /v1/chat/completions", "SERVER"), ("router", "placement", "INTERNAL"),
+              ("prefill", "/ember.v1.Prefill/Prefill", "SERVER"), ("decode", "/ember.v1.Decode/Decode", "SERVER"),
+              ("router", "/ember.v1.Prefill/Prefill", "CLIENT"), ("router", "/ember.v1.Decode/Decode", "CLIENT")}
+
+    def landed(trace) -> bool:  # every service's spans written, none waiting for its parent's
+        ids = {s["span_id"] for s in trace}
+        return wanted <= {(s["service"], s["name"], s["kind"]) for s in trace} \
+            and {"kvstore-central", "kvstore-edge"} <= {s["service"] for s in trace} \
+            and all(s["parent_id"] in ids for s in trace if s["name"] != "POST /v1/chat/completions")
     deadline = time.monotonic() + 10
-    while not [s for s in spans() if s["kind"] == "SERVER" and s["name"] == "POST /v1/chat/completions"]:
-        assert time.monotonic() < deadline, "the router's HTTP span was not exported"
-        time.sleep(0.2)
-    time.sleep(0.5)  # the rest of the trace has ended by now; let the exporters' writes land
-    trace = spans()
+    while not landed(trace := spans()):
+        assert time.monotonic() < deadline, f"the trace did not land: {[(s['service'], s['name']) for s in trace]}"
+        time.sleep(0.05)
     [http] = [s for s in trace if s["kind"] == "SERVER" and s["name"] == "POST /v1/chat/completions"]
     assert http["service"] == "router" and http["parent_id"] == caller
     assert http["attributes"]["ember.completion_tokens"] == 4 and http["attributes"]["ember.request_id"]
