@@ -160,7 +160,8 @@ def up(config_path: str | Path | None = None, run_dir: str | Path | None = None,
             (run_dir / "pids.json").write_text(json.dumps({n: p.pid for n, p in procs.items()}))
         specs = {svc.name: svc for svc in services(config)}
         (run_dir / "services.json").write_text(json.dumps(  # for `ember status`, restarts and tests
-            {n: {"address": a, "role": specs[n].role if n in specs else n, "site": specs[n].site if n in specs else None,
+            {n: {"address": a, "role": specs[n].role if n in specs else n,
+                 "site": specs[n].site if n in specs else None,
                  "metrics": argv[argv.index("--metrics-listen") + 1] if "--metrics-listen" in argv else None,
                  "argv": argv} for n, (argv, a) in commands.items()}, indent=1))
         deadline = time.monotonic() + timeout_s

@@ -25,6 +25,7 @@ from multiprocessing.connection import Connection
 
 from ember.engine.outputs import RequestOutput
 from ember.engine.sampling_params import SamplingParams
+from ember.errors import InvalidRequestError
 from ember.rpc import tracing
 from ember.serving.messages import AddRequest, CoreInfo, ErrorInfo, KVPlan, Snapshot
 
@@ -73,7 +74,7 @@ class EngineClient:
         self._require_alive()
         self._loop = asyncio.get_running_loop()
         if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already running")
+            raise InvalidRequestError(f"request_id {request_id!r} is already running")
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         finished = False

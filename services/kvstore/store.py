@@ -19,10 +19,10 @@ Pull across a slow link), `held` keeps it from expiring; its TTL runs from the c
 """
 from __future__ import annotations
 
-import itertools
 import math
 import mmap
 import os
+import secrets
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
@@ -84,7 +84,6 @@ class BlockStore:
         self.pins: Counter[bytes] = Counter()
         self.leases: dict[int, Lease] = {}
         self._expired: OrderedDict[int, float] = OrderedDict()  # recently expired lease ids, for clear errors
-        self._lease_ids = itertools.count(1)
         self.clock = clock
         self.stats = StoreStats()
         # (added hashes, evicted hashes) -> None: the block directory publisher listens here
@@ -183,11 +182,17 @@ class BlockStore:
         `ttl_s` is bounded by `max_lease_s` (`Lease.ttl_s` says what was granted)."""
         self.expire_leases()
         ttl_s = self.granted_ttl(ttl_s)
-        lease = Lease(next(self._lease_ids), [], self.clock() + ttl_s, ttl_s)
+        lease = Lease(self._new_lease_id(), [], self.clock() + ttl_s, ttl_s)
         self.leases[lease.lease_id] = lease
         for h in block_hashes:
             self.add_to_lease(lease.lease_id, h)
         return lease
+
+    def _new_lease_id(self) -> int:
+        """Random, not sequential: a caller cannot guess (and release or renew) another's lease."""
+        while (lease_id := secrets.randbits(63)) == 0 or lease_id in self.leases:
+            pass
+        return lease_id
 
     def add_to_lease(self, lease_id: int, block_hash: bytes) -> bool:
         lease = self._live(lease_id)
