@@ -21,6 +21,8 @@ PROMPT_TOKENS = Counter("ember:prompt_tokens", "Prompt tokens received")
 GENERATION_TOKENS = Counter("ember:generation_tokens", "Tokens generated")
 PLACEMENTS = Counter("ember:placements", "Placement decisions", ["prefill_site", "decode_site"])
 MIGRATIONS = Counter("ember:decode_migrations", "Decode streams moved to another worker after one failed")
+ABORTED = Counter("ember:requests_aborted", "Decode streams ended before they finished: the caller cancelled or "
+                  "its deadline passed (the engine frees the sequence)", ["reason"])
 REJECTED = Counter("ember:requests_rejected", "Requests refused at admission (RESOURCE_EXHAUSTED with pushback)")
 # every service
 RPC_ERRORS = Counter("ember:request_errors", "Calls that ended in an error, by gRPC status", ["method", "code"])

@@ -12,7 +12,6 @@ import logging
 import time
 
 import grpc
-from prometheus_client import Counter
 
 from ember.kv.block_hash import chain_hashes
 from ember.rpc import metrics, tracing, validate
@@ -22,9 +21,6 @@ from ember.serving.messages import KVPlan
 from ember.v1 import decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger("ember.decode")
-# Streams ended before they finished; their sequence and blocks are freed in the engine core.
-ABORTED = Counter("ember:requests_aborted", "Decode streams ended before they finished: the caller cancelled or "
-                  "its deadline passed (the engine frees the sequence)", ["reason"])
 # A cancel arriving this close to the call's deadline is the deadline (the caller's fired first).
 DEADLINE_SLACK_S = 0.25
 
@@ -90,7 +86,7 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         except (asyncio.CancelledError, GeneratorExit):
             # the caller went away (cancel, deadline, its own failure): the engine frees the sequence
             reason = abort_reason(context)
-            ABORTED.labels(reason).inc()
+            metrics.ABORTED.labels(reason).inc()
             tracing.annotate(aborted=reason, tokens_sent=sent)
             log.info("aborted (%s) after %d tokens", reason, sent)
             raise
