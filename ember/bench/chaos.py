@@ -54,13 +54,6 @@ def shipped_ha_config() -> Path:
     return Path(str(files("ember.configs") / "local-ha.yaml"))
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
-
-
 def _summary(values: list[float | None]) -> dict:
     got = [v for v in values if v is not None]
     return {"max": max(got) if got else None, "p50": statistics.median(got) if got else None,
@@ -325,5 +318,8 @@ def main(args) -> int:
                               f"{name}: tokens identical": {"value": s["tokens_identical"], "target": True,
                                                             "met": s["tokens_identical"]},
                               f"{name}: settled": {"value": s["settled"], "target": True, "met": s["settled"]}}
+        if "restart" in s:  # the killed service came back (serving, and a worker counted live by the router)
+            ok = "error" not in s["restart"]
+            result["targets"][f"{name}: restarted"] = {"value": ok, "target": True, "met": ok}
     write_result(result, args.output)
     return 0 if all(t["met"] for t in result["targets"].values()) else 1
