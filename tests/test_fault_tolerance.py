@@ -173,9 +173,10 @@ def test_prefill_fails_over_to_the_other_worker_then_to_the_decode_site(ha, engi
         if time.monotonic() - started < 1.0:
             return False
         victims.extend(ha.kill("prefill-central-0"))
+        # its engine core, mid-prefill, exits with the service, not after the step (exit_with_parent)
+        wait_dead(victims, timeout_s=3)
         return True
     disturbed = run_streams(ha.router, ids, during=kill_one)
-    wait_dead(victims)
     assert tokens_of(disturbed) == tokens_of(reference)
     # both prefill workers dead: the decode site prefills (decode-only fallback), same tokens
     wait_dead(ha.kill("prefill-central-1"))

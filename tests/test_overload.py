@@ -41,3 +41,36 @@ def test_past_capacity_the_excess_is_refused_at_once_and_the_admitted_streams_ar
     # the refused 72 cost the admitted 8 little: their p99 TTFT against 8 streams alone at once
     assert r["accepted_p99_over_at_capacity_p99"] <= 2.0, r
     assert got["router_rss_growth_mb"] < 50, got
+
+
+def test_over_http_the_excess_gets_429_with_retry_after_at_once(capped):
+    """The OpenAI API's burst: the same admission limit answers 429 in OpenAI's error shape with a
+    Retry-After header, before any admitted request's answer."""
+    import time
+    import urllib.error
+    import urllib.request
+    from concurrent.futures import ThreadPoolExecutor
+
+    import yaml
+    http = yaml.safe_load((capped / "cluster.yaml").read_text())["router"]["http"]
+    body = {"model": "SmolLM2-135M-Instruct.Q4_1", "max_tokens": 8, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Name three rivers."}]}
+
+    def one(_):
+        request = urllib.request.Request(f"http://{http}/v1/chat/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        start = time.monotonic()
+        try:
+            with urllib.request.urlopen(request, timeout=300) as r:
+                return r.status, r.headers.get("Retry-After"), json.loads(r.read()), time.monotonic() - start
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers.get("Retry-After"), json.loads(e.read()), time.monotonic() - start
+    with ThreadPoolExecutor(24) as pool:
+        results = list(pool.map(one, range(24)))
+    ok = [r for r in results if r[0] == 200]
+    refused = [r for r in results if r[0] == 429]
+    assert len(ok) + len(refused) == 24 and len(ok) >= CAPACITY and len(refused) >= 24 - CAPACITY - 2, \
+        [r[:2] for r in results]
+    assert all(r[1] == "1" and r[2]["error"]["type"] == "rate_limit_error" for r in refused), refused[:2]
+    assert all(o[2]["choices"][0]["message"]["content"] for o in ok)
+    assert max(r[3] for r in refused) < min(o[3] for o in ok), "refused before any admitted answer"

@@ -30,6 +30,15 @@ class RpcError(Exception):
         return (("grpc-retry-pushback-ms", str(max(1, int(self.retry_after_s * 1000)))),)
 
 
+def refuse(context, error: RpcError) -> None:
+    """Answer `error`'s status from a handler that then returns, without raising: refusing under
+    overload must stay cheap (a raised error is recorded, traceback and all, by the tracing
+    interceptor and logged here). The caller counts the refusal in its own metric."""
+    context.set_code(error.code)
+    context.set_details(str(error))
+    context.set_trailing_metadata(error.trailing_metadata())
+
+
 def require_ready(engine) -> None:
     if engine is None:
         raise RpcError(grpc.StatusCode.UNAVAILABLE, "the model is still loading; retry shortly")

@@ -14,6 +14,24 @@ import signal
 import sys
 from multiprocessing.connection import Connection
 
+PARENT_POLL_S = 0.2
+
+
+def exit_with_parent() -> None:
+    """Exit within PARENT_POLL_S of the service's death (a SIGKILL included): the closed socket
+    is only seen between steps, and a long prefill would compute on for nobody, on cores the
+    surviving workers need. A thread, not PR_SET_PDEATHSIG: that fires when the spawning
+    *thread* ends, which need not be the service's end."""
+    import threading
+    import time
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL_S)
+        os._exit(0)
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ember.serving.core_process")
@@ -23,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-shm", action="store_true", help="read frames over gRPC even on the same host")
     args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the service, which shuts us down
+    exit_with_parent()
     conn = Connection(args.fd)
 
     from ember.rpc import logs

@@ -54,13 +54,29 @@ def error_response(status: int, kind: str, message: str, param: str | None = Non
 
 
 class _Deadline:
-    """What `Generate` needs of a gRPC context, for HTTP callers."""
+    """What `Generate` needs of a gRPC context, for HTTP callers: the time left, and the status
+    of a request it refused without raising (admission)."""
 
     def __init__(self, timeout_s: float):
         self.deadline = time.monotonic() + timeout_s
+        self.code: grpc.StatusCode | None = None
+        self.details, self.trailing = "", ()
 
     def time_remaining(self) -> float:
         return max(0.0, self.deadline - time.monotonic())
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self.code = code
+
+    def set_details(self, details: str) -> None:
+        self.details = details
+
+    def set_trailing_metadata(self, trailing) -> None:
+        self.trailing = tuple(trailing)
+
+    def retry_after_s(self) -> float | None:
+        ms = dict(self.trailing).get("grpc-retry-pushback-ms")
+        return int(ms) / 1000 if ms is not None else None
 
 
 def _sampling(body: GenerationRequest) -> common_pb2.SamplingParams:
@@ -128,7 +144,8 @@ class OpenAIApp:
         stream, include_usage = body.stream, body.include_usage
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        generator = self.service.Generate(pb, _Deadline(self.timeout_s))
+        context = _Deadline(self.timeout_s)
+        generator = self.service.Generate(pb, context)
         response: web.StreamResponse | None = None
         text, final = [], None
         try:
@@ -157,6 +174,9 @@ class OpenAIApp:
             return response
         finally:
             await generator.aclose()
+        if context.code is not None:  # refused before any message (admission)
+            status, kind = HTTP_STATUS.get(context.code, (500, "server_error"))
+            return error_response(status, kind, context.details, retry_after_s=context.retry_after_s())
         usage = self._usage(final)
         if stream:
             if include_usage:

@@ -27,7 +27,7 @@ from ember.model.tokenizer import Tokenizer
 from ember.placement.policy import Load, NoCapacity, Placer, Request
 from ember.rpc import logs, metrics, tracing, validate
 from ember.rpc.convert import sampling_from_pb, sampling_to_pb
-from ember.rpc.errors import RpcError
+from ember.rpc.errors import RpcError, refuse
 from ember.rpc.server import remaining
 from ember.services.router.workers import Worker, WorkerPool
 from ember.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc
@@ -180,9 +180,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
     async def Generate(self, request, context):
         if self.inflight >= self.max_inflight:  # counted at admission: a burst cannot slip past
             metrics.REJECTED.inc()
-            raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the router is at its admission limit "
-                           f"({self.max_inflight} requests in flight); retry after {self.retry_after_s:g} s",
-                           retry_after_s=self.retry_after_s)
+            refuse(context, RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the router is at its admission limit "
+                                     f"({self.max_inflight} requests in flight); retry after "
+                                     f"{self.retry_after_s:g} s", retry_after_s=self.retry_after_s))
+            return
         self.inflight += 1
         try:
             async for msg in self._generate(request, context):
@@ -230,89 +231,98 @@ class RouterService(router_pb2_grpc.RouterServicer):
             estimated_prefill_s=est.prefill_s, estimated_link_s=est.link_s, uncached_tokens=est.uncached_tokens)
         # a live decode worker first: never spend prefill on a dead decode site
         decoder = await self._decode_worker(placement, ())
-        log.info("%s: %s", request_id, decision.summary())
-        usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=1)
-        timings = common_pb2.Timings()
-        decode_req = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=pb_params)
+        decoder.running += 1  # counted at the pick: a burst spreads over the workers before any Decode starts
+        try:
+            log.info("%s: %s", request_id, decision.summary())
+            usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=1)
+            timings = common_pb2.Timings()
+            decode_req = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=pb_params)
 
-        pre = await self._prefill(prompt, hashes, request_id, pb_params, placement, est.prefill_s, context)
-        emitted: list[int] = []
-        if pre is not None:
-            first_at = time.perf_counter()
-            metrics.TTFT.observe(first_at - received)
-            timings.ttft_s = timings.prefill_s = first_at - received
-            usage.cached_tokens = pre.cached_tokens
-            emitted = [pre.first_token]
-            first = router_pb2.GenerateResponse(request_id=request_id, token_ids=[pre.first_token],
-                                                text=pre.first_text)
-            decode_req.first_token = pre.first_token
-            decode_req.block_hashes[:] = pre.block_hashes
-            decode_req.source_kvstore = pre.kvstore_address
-            if pre.finished:
-                self._finished(timings, usage, received, first_at, 1, pre.finish_reason, placement, prompt)
-                first.MergeFrom(router_pb2.GenerateResponse(finished=True, finish_reason=pre.finish_reason,
-                                                            usage=usage, timings=timings, placement=placement))
-                yield first
-                return
-            yield first  # the client sees the first token before decode starts
-        else:
-            decode_req.prefill_here = True
-            first_at = None
+            pre = await self._prefill(prompt, hashes, request_id, pb_params, placement, est.prefill_s, context)
+            emitted: list[int] = []
+            if pre is not None:
+                first_at = time.perf_counter()
+                metrics.TTFT.observe(first_at - received)
+                timings.ttft_s = timings.prefill_s = first_at - received
+                usage.cached_tokens = pre.cached_tokens
+                emitted = [pre.first_token]
+                first = router_pb2.GenerateResponse(request_id=request_id, token_ids=[pre.first_token],
+                                                    text=pre.first_text)
+                decode_req.first_token = pre.first_token
+                decode_req.block_hashes[:] = pre.block_hashes
+                decode_req.source_kvstore = pre.kvstore_address
+                if pre.finished:
+                    self._finished(timings, usage, received, first_at, 1, pre.finish_reason, placement, prompt)
+                    first.MergeFrom(router_pb2.GenerateResponse(finished=True, finish_reason=pre.finish_reason,
+                                                                usage=usage, timings=timings, placement=placement))
+                    yield first
+                    return
+                yield first  # the client sees the first token before decode starts
+            else:
+                decode_req.prefill_here = True
+                first_at = None
 
-        failed: tuple[Worker, ...] = ()
-        last = time.perf_counter()
-        while True:
-            worker = decoder if decoder is not None else await self._decode_worker(placement, failed)
-            decoder = None
-            if emitted:  # a migrated stream: continue after what the client has
-                decode_req.output_prefix[:] = emitted
-                decode_req.prefill_here = False
-            stream = self.workers.stub(worker).Decode(decode_req, timeout=remaining(context))
-            site = worker.site
-            worker.running += 1
-            self.load.decode_running[site] = self.load.decode_running.get(site, 0) + 1
-            try:
-                async for d in _messages(stream, self.stall_timeout_s):
-                    now = time.perf_counter()
-                    if d.token_ids:
-                        if first_at is None:  # decode-only fallback: its first token is the first token
-                            first_at = now
-                            timings.ttft_s = now - received
-                            metrics.TTFT.observe(timings.ttft_s)
-                            usage.cached_tokens = max(0, len(prompt) - d.recomputed_tokens)
-                        else:
-                            metrics.INTER_TOKEN.observe(now - last)
-                        last = now
-                        emitted += d.token_ids
-                    if d.transfer_s:
-                        timings.transfer_s = d.transfer_s
-                    msg = router_pb2.GenerateResponse(request_id=request_id, token_ids=d.token_ids, text=d.text)
-                    if d.finished:
-                        self._finished(timings, usage, received, first_at, d.completion_tokens, d.finish_reason,
-                                       placement, prompt)
-                        msg.MergeFrom(router_pb2.GenerateResponse(finished=True, finish_reason=d.finish_reason,
-                                                                  usage=usage, timings=timings, placement=placement))
-                    yield msg
-                return
-            except (grpc.aio.AioRpcError, StreamStalled) as e:
-                if not (isinstance(e, StreamStalled) or worker_failed(e)) or remaining(context) <= 0:
-                    raise
-                self.workers.down(worker, f"decode stream broke: {e.code().name} {e.details()}")
-                failed += (worker,)
-                if placement.migrations >= self.max_migrations:
-                    raise unavailable(f"decode failed {placement.migrations + 1} times for this request "
-                                      f"(router.max_migrations is {self.max_migrations}): {e.details()}") from e
-                placement.migrations += 1
-                metrics.MIGRATIONS.inc()
-                log.warning("%s: decode on %s broke after %d tokens (%s); migrating", request_id, worker.name,
-                            len(emitted), e.code().name)
-            finally:
-                # A client cancel or deadline cancels this handler; cancel the decode call
-                # explicitly too, so decode frees the sequence now rather than whenever the
-                # call object is collected.
-                stream.cancel()
-                worker.running -= 1
-                self.load.decode_running[site] -= 1
+            failed: tuple[Worker, ...] = ()
+            last = time.perf_counter()
+            while True:
+                if decoder is not None:  # its count, taken at the pick, is now the stream's
+                    worker, decoder = decoder, None
+                else:
+                    worker = await self._decode_worker(placement, failed)
+                    worker.running += 1
+                if emitted:  # a migrated stream: continue after what the client has
+                    decode_req.output_prefix[:] = emitted
+                    decode_req.prefill_here = False
+                stream = self.workers.stub(worker).Decode(decode_req, timeout=remaining(context))
+                site = worker.site
+                self.load.decode_running[site] = self.load.decode_running.get(site, 0) + 1
+                try:
+                    async for d in _messages(stream, self.stall_timeout_s):
+                        now = time.perf_counter()
+                        if d.token_ids:
+                            if first_at is None:  # decode-only fallback: its first token is the first token
+                                first_at = now
+                                timings.ttft_s = now - received
+                                metrics.TTFT.observe(timings.ttft_s)
+                                usage.cached_tokens = max(0, len(prompt) - d.recomputed_tokens)
+                            else:
+                                metrics.INTER_TOKEN.observe(now - last)
+                            last = now
+                            emitted += d.token_ids
+                        if d.transfer_s:
+                            timings.transfer_s = d.transfer_s
+                        msg = router_pb2.GenerateResponse(request_id=request_id, token_ids=d.token_ids, text=d.text)
+                        if d.finished:
+                            self._finished(timings, usage, received, first_at, d.completion_tokens, d.finish_reason,
+                                           placement, prompt)
+                            msg.MergeFrom(router_pb2.GenerateResponse(
+                                finished=True, finish_reason=d.finish_reason, usage=usage, timings=timings,
+                                placement=placement))
+                        yield msg
+                    return
+                except (grpc.aio.AioRpcError, StreamStalled) as e:
+                    if not (isinstance(e, StreamStalled) or worker_failed(e)) or remaining(context) <= 0:
+                        raise
+                    self.workers.down(worker, f"decode stream broke: {e.code().name} {e.details()}")
+                    failed += (worker,)
+                    if placement.migrations >= self.max_migrations:
+                        raise unavailable(f"decode failed {placement.migrations + 1} times for this request "
+                                          f"(router.max_migrations is {self.max_migrations}): {e.details()}") from e
+                    placement.migrations += 1
+                    metrics.MIGRATIONS.inc()
+                    log.warning("%s: decode on %s broke after %d tokens (%s); migrating", request_id, worker.name,
+                                len(emitted), e.code().name)
+                finally:
+                    # A client cancel or deadline cancels this handler; cancel the decode call
+                    # explicitly too, so decode frees the sequence now rather than whenever the
+                    # call object is collected.
+                    stream.cancel()
+                    worker.running -= 1
+                    self.load.decode_running[site] -= 1
+        finally:
+            if decoder is not None:  # never reached Decode (prefill failed, or finished the request)
+                decoder.running -= 1
+
 
     async def _decode_worker(self, placement, failed: tuple[Worker, ...]) -> Worker:
         """A live decode worker at the placed site, else at another decode site; UNAVAILABLE at once
