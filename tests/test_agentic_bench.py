@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_quick_agentic_bench_writes_records_targets_and_plots(tmp_path, model_path):
     out = tmp_path / "agentic.json"
     proc = subprocess.run([sys.executable, "-m", "ember.cli", "bench", "agentic", "--quick", "--threads", "2",
-                           "--systems", "transformers,ember-colocated", "--model", str(model_path),
+                           "--systems", "transformers,ember-colocated", "--phases", "replay,single_stream",
+                           "--model", str(model_path),
                            "--output", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "|########################| 4/4" in proc.stderr  # the progress bar reached the end
