@@ -139,3 +139,46 @@ def test_with_redis_dead_each_router_keeps_routing_on_its_own_view(redis_server)
             for s in servers:
                 await s.stop(None)
     run(go())
+
+
+class SlowHealth(health_pb2_grpc.HealthServicer):
+    def __init__(self):
+        self.delay_s = 0.0
+
+    async def Check(self, request, context):
+        await asyncio.sleep(self.delay_s)
+        return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+
+def test_a_slow_health_answer_is_not_a_dead_worker_but_several_in_a_row_are():
+    """On a saturated host a health check can time out while the worker streams fine: one or two
+    timeouts keep it live; SLOW_CHECKS_DOWN in a row, or a refused connection, mark it down."""
+    from ember.services.router.workers import HEALTH_TIMEOUT_S, SLOW_CHECKS_DOWN
+
+    async def go():
+        config, addresses = two_decode_workers()
+        servicer = SlowHealth()
+        server = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+        server.add_insecure_port(addresses[0])
+        await server.start()
+        pool = WorkerPool(config)
+        worker, absent = pool.all("decode", "edge")
+        try:
+            await pool.check(worker)
+            assert worker.live
+            servicer.delay_s = HEALTH_TIMEOUT_S + 0.5
+            for _ in range(SLOW_CHECKS_DOWN - 1):
+                await pool.check(worker)
+                assert worker.live, "a slow answer alone does not mark it down"
+            await pool.check(worker)
+            assert not worker.live, f"{SLOW_CHECKS_DOWN} timeouts in a row do"
+            servicer.delay_s = 0.0
+            await pool.check(worker)
+            assert worker.live
+            await pool.check(absent)  # nothing listens there: down at the first check
+            assert not absent.live
+        finally:
+            await pool.close()
+            await server.stop(None)
+    run(go())

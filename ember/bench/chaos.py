@@ -108,7 +108,7 @@ def outcome(disturbed, reference, affected: list[bool], fault_at: float | None) 
             - sum(same), "errors": sorted({f"{s.error.code().name}: {s.error.details()}"[:200]
                                            for s in disturbed if s.error is not None}),
             "affected_streams": sum(affected),
-            "fault_to_next_token_s": _summary([s.next_token_after(fault_at) for s, a in zip(disturbed, affected) if a]
+            "fault_to_recovered_s": _summary([s.recovered_after(fault_at) for s, a in zip(disturbed, affected) if a]
                                               if fault_at is not None else [])}
 
 

@@ -179,6 +179,16 @@ class Stream:
     def ok(self) -> bool:
         return self.error is None and self.final is not None and self.final.finished
 
+    def recovered_after(self, t: float) -> float | None:
+        """Seconds from a fault at `t` to the end of the stream's longest silence after it: when it
+        was streaming again (tokens already on their way at `t` still arrive first, so the next
+        token after `t` says nothing). None if no token came after `t`."""
+        points = [t] + [s for s in self.stamps if s > t]
+        if len(points) < 2:
+            return None
+        _, end = max((b - a, b) for a, b in zip(points, points[1:]))
+        return end - t
+
     def next_token_after(self, t: float) -> float | None:
         """Seconds from `t` to the first token after it; None if the stream had ended by then
         (or never sent one after it)."""

@@ -25,6 +25,7 @@ from ember.v1 import decode_pb2_grpc, prefill_pb2_grpc
 log = logging.getLogger("ember.router")
 HEALTH_POLL_S = 0.5
 HEALTH_TIMEOUT_S = 1.0
+SLOW_CHECKS_DOWN = 3
 STUBS = {"prefill": prefill_pb2_grpc.PrefillStub, "decode": decode_pb2_grpc.DecodeStub}
 
 
@@ -38,6 +39,7 @@ class Worker:
     running: int = 0         # this router's calls in flight on it
     others_running: int = 0  # the other routers' (shared view; 0 without one)
     failures: int = 0
+    slow_checks: int = 0     # health checks in a row that timed out
     _channel: grpc.aio.Channel | None = field(default=None, repr=False)
     _stub: object = field(default=None, repr=False)
 
@@ -112,7 +114,14 @@ class WorkerPool:
             stub = health_pb2_grpc.HealthStub(self._connect(worker))
             status = (await stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)).status
             serving = status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.aio.AioRpcError:
+            worker.slow_checks = 0
+        except grpc.aio.AioRpcError as e:
+            # A slow answer on a saturated host is not a dead worker (that was marking a busy
+            # decode worker down mid-burst, sending every new stream to the other): only
+            # SLOW_CHECKS_DOWN in a row count. A refused connection or NOT_SERVING counts at once.
+            worker.slow_checks = worker.slow_checks + 1 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else 0
+            if 0 < worker.slow_checks < SLOW_CHECKS_DOWN:
+                return
             serving = False
         if serving != worker.live:
             log.warning("%s is %s", worker.name, "live again" if serving else "not serving")
