@@ -12,7 +12,7 @@ import yaml
 from ember.cluster.chaos import Cluster, tokens_of
 from ember.cluster.launcher import running
 from ember.cluster.ports import on_free_ports
-from tests.test_fault_tolerance import NEW_TOKENS, prompts, run_streams
+from tests.test_fault_tolerance import NEW_TOKENS, decoding_now, prompts, run_streams
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,9 +41,9 @@ def test_a_broken_link_to_a_decode_worker_moves_its_streams_token_for_token(link
     hit: list[tuple[str, float]] = []
 
     def break_busiest(counts) -> bool:
-        if min(counts) < 6:
+        busiest = decoding_now(linked, ["decode-edge-0", "decode-edge-1"], counts)
+        if busiest is None:
             return False
-        busiest = linked.busiest(["decode-edge-0", "decode-edge-1"])
         linked.set_faults({linked.relay_to(busiest): mode})
         hit.append((busiest, time.monotonic()))
         return True

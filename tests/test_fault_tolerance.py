@@ -46,6 +46,17 @@ def run_streams(router: str, ids: list[list[int]], during=None, **sampling) -> l
     return chaos.run_streams(router, ids, NEW_TOKENS, during=during, **sampling)
 
 
+def decoding_now(ha: Cluster, decoders: list[str], counts: list[int]) -> str | None:
+    """The decode worker running the most sequences, once every stream is past its first (prefill)
+    token; None before, or when the engines are done already (a client reading slower than the
+    engines decode, as on a loaded CI host, must not make the kill miss every stream)."""
+    if min(counts) < 2:
+        return None
+    running = {n: ha.decode_stats(n).running for n in decoders}
+    busiest = max(running, key=running.get)
+    return busiest if running[busiest] > 0 else None
+
+
 @pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 1234}], ids=["greedy", "seeded"])
 def test_killing_the_busiest_decode_worker_loses_no_stream_and_changes_no_token(ha, engine, sampling):
     ids = prompts(engine.tokenizer)
@@ -54,9 +65,9 @@ def test_killing_the_busiest_decode_worker_loses_no_stream_and_changes_no_token(
     killed: dict[str, list[int]] = {}  # name -> its pids
 
     def kill_busiest(counts) -> bool:
-        if min(counts) < 6:  # every stream is decoding
+        busiest = decoding_now(ha, decoders, counts)
+        if busiest is None:
             return False
-        busiest = ha.busiest(decoders)
         killed[busiest] = ha.kill(busiest)
         return True
     disturbed = run_streams(ha.router, ids, during=kill_busiest, **sampling)
@@ -86,10 +97,11 @@ def test_a_stream_over_http_sse_survives_its_decode_worker(ha, engine):
         assert not getattr(chunk, "error", None)
         if chunk.choices and chunk.choices[0].delta.content:
             pieces.append(chunk.choices[0].delta.content)
-        if len(pieces) == 5 and not killed:
+        if len(pieces) >= 2 and not killed:
             busy = [n for n in ("decode-edge-0", "decode-edge-1") if ha.decode_stats(n).running]
-            killed.append(busy[0])
-            wait_dead(ha.kill(busy[0]))
+            if busy:  # (none: the engine finished ahead of this reader; the assert below says so)
+                killed.append(busy[0])
+                wait_dead(ha.kill(busy[0]))
     assert killed and "".join(pieces) == want, "the SSE stream ended normally ([DONE]) with the same text"
     ha.restart(killed[0])
 

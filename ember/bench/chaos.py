@@ -125,9 +125,11 @@ def decode_kill(cluster, ids: list[list[int]], max_tokens: int) -> dict:
     state: dict = {}
 
     def kill_busiest(counts) -> bool:
-        if min(counts) < 6:  # every stream is decoding
+        if min(counts) < 2:  # every stream is past its first (prefill) token
             return False
         name = cluster.busiest(decoders)
+        if cluster.decode_stats(name).running == 0:  # not yet decoding, or done already
+            return False
         state["running"] = cluster.decode_stats(name).running
         pids = cluster.kill(name)
         state.update(name=name, at=time.monotonic())
@@ -209,9 +211,11 @@ def blackhole(cluster, ids: list[list[int]], max_tokens: int, stall_s: float) ->
     state: dict = {}
 
     def break_busiest(counts) -> bool:
-        if min(counts) < 6:
+        if min(counts) < 2:
             return False
         name = cluster.busiest(decoders)
+        if cluster.decode_stats(name).running == 0:
+            return False
         cluster.set_faults({cluster.relay_to(name): "blackhole"})
         state.update(name=name, at=time.monotonic())
         return True
