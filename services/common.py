@@ -36,9 +36,27 @@ def service_args(role: str, argv: list[str] | None = None) -> argparse.Namespace
             site = args.cluster.site(args.site)
             if not site.has(role):
                 raise ValueError(f"site {args.site!r} has no {role} role in {args.config}")
+        install_credentials(args.cluster, role, getattr(args, "site", None), getattr(args, "worker", 0))
     except (ValueError, OSError) as e:
         p.error(str(e))
     return args
+
+
+def install_credentials(config: ClusterConfig, role: str, site: str | None, worker: int = 0) -> None:
+    """This service's certificate becomes its identity on every internal hop (ember.rpc.security),
+    unless the config says `security: {tls: plaintext}`."""
+    from ember.config.services import security_settings, services
+    from ember.rpc import security
+    name = next((s.name for s in services(config) if (s.role, s.site, s.worker) == (role, site, worker)),
+                role if site is None else f"{role}-{site}")
+    settings = security_settings(config, name)
+    if settings.tls_dir is None:
+        security.install(None)
+        return
+    creds = security.Credentials.load(settings.tls_dir)
+    if creds.identity.role != role or creds.identity.site != site:
+        raise ValueError(f"{settings.tls_dir}/tls.crt is {creds.identity}'s certificate, not {name}'s")
+    security.install(creds)
 
 
 def tokenizer(config: ClusterConfig):

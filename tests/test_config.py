@@ -19,7 +19,7 @@ from ember.config.derived import kv_bytes_per_token, model_facts
 from ember.config.load import _model_in, config_from_dict, load_config
 from ember.config.schema import ClusterConfig
 from ember.config.section import record_reads
-from ember.config.services import engine_settings, kvstore_settings, router_settings, services
+from ember.config.services import engine_settings, kvstore_settings, router_settings, security_settings, services
 from ember.engine.config import EngineSettings
 from ember.placement.cli import main_for_tests
 
@@ -161,6 +161,7 @@ def full_config(model_path: Path) -> dict:
                    "decode": {"max_num_seqs": 8}},
         "kvstore": {"capacity_mb": 64, "codec": "planes", "shared_memory": True, "shm_socket": "@ember-test"},
         "directory": {"url": "redis://127.0.0.1:1/0", "ttl_s": 30},
+        "security": {"tls": "files", "tls_dir": "certs/{name}"},
     }
 
 
@@ -199,6 +200,7 @@ def test_every_documented_key_is_read_by_a_service(tmp_path, model_path):
         model_facts(config)
         service_commands(config, path, tmp_path)  # ember up: which processes, emulated links, addresses
         for svc in services(config):
+            security_settings(config, svc.name, env={})
             if svc.role == "kvstore":
                 kvstore_settings(config, svc.site)
             elif svc.role in ("prefill", "decode"):

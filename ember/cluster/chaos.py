@@ -25,8 +25,9 @@ import grpc
 import psutil
 
 from ember.client import RouterClient
-from ember.cluster.launcher import wait_serving
+from ember.cluster.launcher import credentials, wait_serving
 from ember.cluster.status import scrape
+from ember.rpc import security
 from ember.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc, router_pb2
 
 POLL_S = 0.05
@@ -37,6 +38,7 @@ class Cluster:
 
     def __init__(self, run_dir: str | Path):
         self.run_dir = Path(run_dir)
+        self.credentials = credentials(self.run_dir)  # the operator's certificate (None: plaintext)
 
     @property
     def services(self) -> dict:
@@ -72,6 +74,7 @@ class Cluster:
         env.pop("EMBER_OMP_PASSIVE", None)
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env.setdefault("EMBER_LOG_FORMAT", "json")
+        env.update(info.get("env", {}))  # its certificate folder
         with open(log, "ab") as out:
             proc = subprocess.Popen(info["argv"], stdout=out, stderr=subprocess.STDOUT, cwd=self.run_dir, env=env,
                                     start_new_session=True)
@@ -80,7 +83,7 @@ class Cluster:
         tmp = self.run_dir / "pids.json.tmp"
         tmp.write_text(json.dumps(pids))
         tmp.replace(self.run_dir / "pids.json")
-        wait_serving(info["address"], start + timeout_s, proc, log)
+        wait_serving(info["address"], start + timeout_s, proc, log, None if name == "router" else self.credentials)
         out = {"serving_s": time.monotonic() - start}
         if info["role"] in ("prefill", "decode"):
             self.wait_router_sees(name, live=True)
@@ -104,7 +107,7 @@ class Cluster:
         return time.monotonic() - start
 
     def decode_stats(self, name: str):
-        with grpc.insecure_channel(self.services[name]["address"]) as ch:
+        with security.dial(self.services[name]["address"], self.credentials) as ch:
             return decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.DecodeStatsRequest(), timeout=10)
 
     def busiest(self, names: list[str]) -> str:
@@ -114,7 +117,7 @@ class Cluster:
     def leases(self) -> int:
         total = 0
         for name in self.names("kvstore"):
-            with grpc.insecure_channel(self.services[name]["address"]) as ch:
+            with security.dial(self.services[name]["address"], self.credentials) as ch:
                 total += kvstore_pb2_grpc.KVStoreStub(ch).Stats(kvstore_pb2.StatsRequest(), timeout=10).leases
         return total
 

@@ -5,11 +5,16 @@ installed package; no PYTHONPATH, any working directory) in its own session (it 
 `ember up` command), logging to RUN_DIR/<name>.log; pids go to RUN_DIR/pids.json. `up` fetches a
 named model into the user cache if absent and returns once every service reports SERVING on
 grpc.health.v1.
+
+With `security.tls: auto` (the default) `up` first makes a fresh CA and one certificate per
+service under RUN_DIR/certs (ember.cluster.certs) and starts each service with EMBER_TLS_DIR
+naming its folder; RUN_DIR/certs/operator is what `ember status`, benchmarks and tests dial with.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -27,6 +32,7 @@ from ember.cluster.ports import free_port
 from ember.config.load import load_config
 from ember.config.schema import ClusterConfig
 from ember.config.services import services
+from ember.rpc import security
 
 
 def default_config() -> Path:
@@ -46,7 +52,7 @@ class _Ports:
     give back a just-probed port)."""
 
     def __init__(self, config: ClusterConfig):
-        addresses = [config.router.listen, config.router.http] + [
+        addresses = [config.router.listen, config.router.http, config.router.internal] + [
             a for s in config.sites for a in [s.kvstore, s.kvstore_data, *s.prefill, *s.decode]]
         self.taken = {int(a.rsplit(":", 1)[1]) for a in addresses if a}
 
@@ -117,8 +123,21 @@ def prepare_model(config: ClusterConfig) -> Path:
     return model
 
 
-def wait_serving(address: str, deadline: float, proc: subprocess.Popen, log_path: Path) -> None:
-    with grpc.insecure_channel(address) as ch:
+def tls_env(config: ClusterConfig, run_dir: Path, name: str) -> dict[str, str]:
+    """The environment service `name` needs for its certificate: EMBER_TLS_DIR in auto mode."""
+    return {"EMBER_TLS_DIR": str(run_dir / "certs" / name)} if config.security.tls == "auto" else {}
+
+
+def credentials(run_dir: str | Path | None = None, name: str = "operator") -> security.Credentials | None:
+    """The certificate `name` (operator: CLI tools and tests) holds in a running cluster's run
+    folder, or None when the cluster runs plaintext (or with mounted certificates elsewhere)."""
+    folder = Path(run_dir or default_run_dir()) / "certs" / name
+    return security.Credentials.load(folder) if (folder / "tls.crt").is_file() else None
+
+
+def wait_serving(address: str, deadline: float, proc: subprocess.Popen, log_path: Path,
+                 creds: security.Credentials | None = None) -> None:
+    with security.dial(address, creds) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             if proc.poll() is not None:
@@ -152,22 +171,28 @@ def up(config_path: str | Path | None = None, run_dir: str | Path | None = None,
         env.setdefault("EMBER_TRACE_DIR", str(run_dir))  # spans as JSON lines beside the logs
     procs: dict[str, subprocess.Popen] = {}
     commands = service_commands(config, config_path, run_dir)
+    if config.security.tls == "auto":  # a throwaway CA per run: nothing of an earlier run is trusted
+        from ember.cluster.certs import write_cluster_certs
+        shutil.rmtree(run_dir / "certs", ignore_errors=True)
+        write_cluster_certs(config, run_dir / "certs")
     try:
         for name, (argv, _) in commands.items():
             with open(run_dir / f"{name}.log", "ab") as log:
-                procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir, env=env,
-                                               start_new_session=True)
+                procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir,
+                                               env={**env, **tls_env(config, run_dir, name)}, start_new_session=True)
             (run_dir / "pids.json").write_text(json.dumps({n: p.pid for n, p in procs.items()}))
         specs = {svc.name: svc for svc in services(config)}
         (run_dir / "services.json").write_text(json.dumps(  # for `ember status`, restarts and tests
             {n: {"address": a, "role": specs[n].role if n in specs else n,
                  "site": specs[n].site if n in specs else None,
                  "metrics": argv[argv.index("--metrics-listen") + 1] if "--metrics-listen" in argv else None,
-                 "argv": argv} for n, (argv, a) in commands.items()}, indent=1))
+                 "argv": argv, "env": tls_env(config, run_dir, n)} for n, (argv, a) in commands.items()}, indent=1))
         deadline = time.monotonic() + timeout_s
+        creds = credentials(run_dir)
         for name, (_, address) in commands.items():
             if address is not None:
-                wait_serving(address, deadline, procs[name], run_dir / f"{name}.log")
+                wait_serving(address, deadline, procs[name], run_dir / f"{name}.log",
+                             None if name == "router" else creds)  # the router's API port is plaintext
     except BaseException:
         down(run_dir)
         raise

@@ -17,11 +17,11 @@ def write_local_config(path: Path, model: str, kvstore_capacity_mb: int = 256, d
                        shared_memory: bool = True, **engine) -> dict[str, str]:
     """A two-site cluster config on free ports; returns the addresses by role."""
     addr = {name: f"127.0.0.1:{free_port()}"
-            for name in ("router", "router_http", "prefill", "decode", "kv_central", "kv_edge", "kv_central_data",
-                         "kv_edge_data")}
+            for name in ("router", "router_http", "router_internal", "prefill", "decode", "kv_central", "kv_edge",
+                         "kv_central_data", "kv_edge_data")}
     config = {
         "model": model,
-        "router": {"listen": addr["router"], "http": addr["router_http"]},
+        "router": {"listen": addr["router"], "http": addr["router_http"], "internal": addr["router_internal"]},
         "placement": {"prefill_site": "central", "decode_site": "edge"},
         "sites": [
             {"name": "central", "prefill": addr["prefill"], "kvstore": addr["kv_central"],
@@ -38,12 +38,17 @@ def write_local_config(path: Path, model: str, kvstore_capacity_mb: int = 256, d
     return addr
 
 
-def write_kvstore_config(path: Path, capacity_mb: int = 256, codec: str = "auto", site: str = "solo") -> dict[str, str]:
+def write_kvstore_config(path: Path, capacity_mb: int = 256, codec: str = "auto", site: str = "solo",
+                         tls_dir: str | None = None) -> dict[str, str]:
     """A one-site config holding only a kvstore on free ports (kvstore tests and benchmarks):
-    `ember serve kvstore --config PATH --site solo`. Returns its gRPC and data addresses."""
+    `ember serve kvstore --config PATH --site solo`. Plaintext (`security: {tls: plaintext}`) unless
+    `tls_dir` names certificate folders (`{name}`: the service's; ember.cluster.certs writes them).
+    Returns its gRPC and data addresses."""
     addr = {"kvstore": f"127.0.0.1:{free_port()}", "kvstore_data": f"127.0.0.1:{free_port()}"}
+    security = {"tls": "files", "tls_dir": tls_dir} if tls_dir else {"tls": "plaintext"}
     path.write_text(yaml.safe_dump({"sites": [{"name": site, **addr}],
-                                    "kvstore": {"capacity_mb": capacity_mb, "codec": codec}}, sort_keys=False))
+                                    "kvstore": {"capacity_mb": capacity_mb, "codec": codec},
+                                    "security": security}, sort_keys=False))
     return addr
 
 
@@ -60,8 +65,8 @@ def on_free_ports(source: Path, path: Path, model: str | None = None) -> dict:
         taken.add(port)
         return f"127.0.0.1:{port}"
     router = config.setdefault("router", {})
-    for key in ("listen", "http"):
-        if key == "listen" or router.get(key):
+    for key in ("listen", "http", "internal"):
+        if key in ("listen", "internal") or router.get(key):
             router[key] = fresh()
     for site in config.get("sites", []):
         for key in ("kvstore", "kvstore_data"):

@@ -10,10 +10,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
+from ember.rpc import security
 
-def health(address: str) -> str:
+
+def health(address: str, creds: security.Credentials | None = None) -> str:
     try:
-        with grpc.insecure_channel(address) as ch:
+        with security.dial(address, creds) as ch:
             status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status
         return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
     except grpc.RpcError as e:
@@ -40,7 +42,9 @@ def scrape(address: str | None) -> dict[str, float]:
 
 
 def rows(run_dir: Path) -> list[tuple[str, ...]]:
+    from ember.cluster.launcher import credentials
     services = json.loads((run_dir / "services.json").read_text())
+    creds = credentials(run_dir)
     table = [("service", "address", "health", "running", "waiting", "KV used", "kvstore blocks / MB", "requests")]
     for name, info in services.items():
         if info["address"] is None:
@@ -53,7 +57,7 @@ def rows(run_dir: Path) -> list[tuple[str, ...]]:
         if "ember:kvstore_blocks" in m:
             store = f"{m['ember:kvstore_blocks']:.0f} / {m.get('ember:kvstore_bytes', 0) / 2**20:.0f}"
         engine = name.startswith(("prefill", "decode"))  # the others register these gauges but run no engine
-        table.append((name, info["address"], health(info["address"]),
+        table.append((name, info["address"], health(info["address"], None if name == "router" else creds),
                       get("ember:num_requests_running") if engine else "-",
                       get("ember:num_requests_waiting") if engine else "-",
                       get("ember:kv_cache_usage_perc", "{:.1%}") if engine else "-", store,

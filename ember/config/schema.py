@@ -9,6 +9,7 @@
                 overrides under engine.prefill / engine.decode
     kvstore     capacity, codec, shared memory (every site's store)
     directory   where blocks are found: Redis, or the router's in-memory directory
+    security    mTLS on every internal hop (certificates made by `ember up`, or mounted files)
 
 Each setting has one name and one default, here. Values that follow from the model (the KV
 layout, KV bytes per token) are derived (ember.config.derived), not configured. Errors name
@@ -140,8 +141,19 @@ class RouterSection(Section):
                                                      "its worker failed")
     stall_timeout_s: float = Field(30.0, gt=0, description="a decode stream silent this long counts as failed "
                                                            "(its worker or link is stalled or blackholed): it moves")
+    internal: str = Field("127.0.0.1:50052", description="HOST:PORT of the router's cluster-internal gRPC port "
+                                                         "(mTLS like every internal hop): the in-memory block "
+                                                         "directory the kvstores publish to")
+    api_keys_file: str | None = Field(None, description="YAML mapping each API key to its tenant's name, relative "
+                                                        "to this file; EMBER_API_KEY adds one key (tenant "
+                                                        "`default`). Any key configured: every route but health "
+                                                        "needs one")
+    require_api_key: bool = Field(False, description="refuse to start when no API key is configured")
+    reflection: bool = Field(False, description="gRPC server reflection on the public port")
+    shared_prefixes: list[str] = Field([], description="texts (system prompts) whose KV blocks every tenant "
+                                                       "shares; every other block is salted per tenant")
 
-    _check = field_validator("listen", "http")(lambda cls, v: v if v is None else _address(v))
+    _check = field_validator("listen", "http", "internal")(lambda cls, v: v if v is None else _address(v))
 
 
 class PlacementSection(Section):
@@ -224,6 +236,23 @@ class DirectorySection(Section):
         return v
 
 
+class SecuritySection(Section):
+    tls: Literal["auto", "files", "plaintext"] = Field(
+        "auto", description="auto: `ember up` makes a throwaway CA and one certificate per service in the run "
+                            "folder; files: mounted certificates under tls_dir; plaintext: no TLS, no peer "
+                            "authorization, no KV frame MAC (only when said here)")
+    tls_dir: str | None = Field(None, description="files: each service's folder of ca.crt, tls.crt, tls.key (and "
+                                                  "kv-mac.key for prefill and decode); `{name}` stands for the "
+                                                  "service's name; EMBER_TLS_DIR overrides it")
+
+    @model_validator(mode="after")
+    def _files_need_a_dir(self):
+        if self.tls == "files" and not self.tls_dir:
+            raise ValueError("security.tls_dir: required with `tls: files` (e.g. /etc/ember/tls/{name}), or use "
+                             "`tls: auto` to let `ember up` make certificates")
+        return self
+
+
 class ClusterConfig(Section):
     model: str = Field(DEFAULT_MODEL, description="a named model (fetched into the user cache on first use) or "
                                                   "a GGUF file / HF folder, relative to this file")
@@ -236,6 +265,7 @@ class ClusterConfig(Section):
     engine: EngineSection = EngineSection()
     kvstore: KVStoreSection = KVStoreSection()
     directory: DirectorySection = DirectorySection()
+    security: SecuritySection = SecuritySection()
 
     _by_name: dict[str, Site] = PrivateAttr(default_factory=dict)
     _links: dict[tuple[str, str], Link] = PrivateAttr(default_factory=dict)
@@ -317,7 +347,7 @@ class ClusterConfig(Section):
 
     def directory_url(self) -> str:
         """What kvstores publish to: Redis, or the router's in-memory directory."""
-        return self.directory.url or f"grpc://{self.router.listen}"
+        return self.directory.url or f"grpc://{self.router.internal}"
 
     def engine_sites(self, role: str) -> list[Site]:
         """Sites that run an engine of `role`: every site with the role when placement can choose,

@@ -51,6 +51,7 @@ class KVStoreSettings:
     directory: str           # redis://... or grpc://ROUTER
     directory_ttl_s: float
     max_lease_s: float       # the longest lease it grants (longer requests are clamped)
+    peers: tuple[str, ...] = ()  # the other sites' kvstores (gRPC): the only sources a Pull may name
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,17 @@ class RouterSettings:
     model: str
     directory: str | None    # Redis URL; None: the router hosts the in-memory directory
     directory_ttl_s: float
+    internal: str = "127.0.0.1:50052"  # mTLS port of the in-memory directory
+    api_keys_file: str | None = None   # absolute path (resolved against the config file)
+    require_api_key: bool = False
+    reflection: bool = False
+    shared_prefixes: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class SecuritySettings:
+    tls: str                 # auto, files, plaintext
+    tls_dir: str | None      # this service's folder (ca.crt, tls.crt, tls.key[, kv-mac.key]); None: plaintext
 
 
 def kvstore_settings(config: ClusterConfig, site_name: str) -> KVStoreSettings:
@@ -85,9 +97,10 @@ def kvstore_settings(config: ClusterConfig, site_name: str) -> KVStoreSettings:
     if not site.has("kvstore"):
         raise ValueError(f"site {site_name!r} has no kvstore")
     k = config.kvstore
+    peers = tuple(s.kvstore for s in config.sites if s.has("kvstore") and s.name != site.name)
     return KVStoreSettings(site.name, site.kvstore, site.kvstore_data, k.capacity_mb, k.codec,
                            k.shm_socket if k.shared_memory else "", config.directory_url(), config.directory.ttl_s,
-                           k.max_lease_s)
+                           k.max_lease_s, peers)
 
 
 def engine_settings(config: ClusterConfig, role: str, site_name: str, worker: int = 0):
@@ -108,8 +121,25 @@ def engine_settings(config: ClusterConfig, role: str, site_name: str, worker: in
 
 def router_settings(config: ClusterConfig) -> RouterSettings:
     r = config.router
+    keys = None if r.api_keys_file is None else str((config._base / r.api_keys_file).resolve())
     return RouterSettings(r.listen, r.http, r.site, r.max_inflight, r.retry_after_s, r.max_migrations,
-                          r.stall_timeout_s, str(config.model_path()), config.directory.url, config.directory.ttl_s)
+                          r.stall_timeout_s, str(config.model_path()), config.directory.url, config.directory.ttl_s,
+                          r.internal, keys, r.require_api_key, r.reflection, tuple(r.shared_prefixes))
+
+
+def security_settings(config: ClusterConfig, service_name: str, env: dict | None = None) -> SecuritySettings:
+    """Where service `service_name` finds its certificates: EMBER_TLS_DIR (what `ember up` sets in auto
+    mode), else security.tls_dir; `{name}` in either stands for the service's name."""
+    import os
+    sec = config.security
+    if sec.tls == "plaintext":
+        return SecuritySettings("plaintext", None)
+    folder = (os.environ if env is None else env).get("EMBER_TLS_DIR") or sec.tls_dir
+    if not folder:
+        raise ValueError(f"{service_name}: security.tls is {sec.tls!r} but no certificates are known: `ember up` "
+                         "makes them (auto), or set security.tls_dir / EMBER_TLS_DIR to a folder of ca.crt, tls.crt "
+                         "and tls.key (`ember certs` writes one per service), or say `security: {tls: plaintext}`")
+    return SecuritySettings(sec.tls, str((config._base / folder.replace("{name}", service_name)).resolve()))
 
 
 def service_settings(config: ClusterConfig, role: str, site: str | None = None, worker: int = 0) -> dict:

@@ -11,7 +11,9 @@ Response: per block, in order: 16-byte hash, uint64 length, then a wire frame
           it smaller, else raw. A missing block is answered with length 2**64-1 and the
           connection closes.
 The receiver verifies every frame (layout, lengths, checksum) before handing it on and
-stores it raw, so a damaged block is never filed. The sender pins the blocks for the life of
+stores it raw, so a damaged block is never filed. With the cluster's credentials
+(ember.rpc.security) the connection is mutual TLS and the server serves only peers whose
+certificate names an allowed role (kvstores); without, it is plain TCP. The sender pins the blocks for the life of
 the connection, and abandons a receiver that takes nothing for `stall_s` (a blackholed or
 frozen peer), so no pin outlives a dead transfer by more than that.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import struct
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -41,11 +44,17 @@ class BlockMissing(NotFoundError):
 STALL_S = 60.0
 
 
-async def serve(host: str, port: int, pinned: Callable, stall_s: float = STALL_S) -> asyncio.AbstractServer:
+async def serve(host: str, port: int, pinned: Callable, stall_s: float = STALL_S,
+                tls: ssl.SSLContext | None = None, authorize: Callable[[dict], bool] = lambda peercert: True
+                ) -> asyncio.AbstractServer:
     """`pinned(hashes)` is a context manager giving frames (None if missing) that stay
     valid while it is held (BlockStore.pinned). A receiver that accepts no bytes for
-    `stall_s` is cut off (its pins released)."""
+    `stall_s` is cut off (its pins released). With `tls` (a server context that requires
+    client certificates), only peers whose certificate `authorize(peercert)` accepts are served."""
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        if tls is not None and not authorize(writer.get_extra_info("peercert")):
+            writer.transport.abort()
+            return
         async def drained():  # TimeoutError once the receiver takes nothing for stall_s
             while True:
                 queued = writer.transport.get_write_buffer_size()
@@ -76,7 +85,7 @@ async def serve(host: str, port: int, pinned: Callable, stall_s: float = STALL_S
             pass
         finally:
             writer.close()
-    return await asyncio.start_server(handle, host, port)
+    return await asyncio.start_server(handle, host, port, ssl=tls)
 
 
 def _fresh(num_bytes: int) -> tuple[None, memoryview]:
@@ -86,13 +95,14 @@ def _fresh(num_bytes: int) -> tuple[None, memoryview]:
 async def fetch(address: str, hashes: list[bytes], timeout: float | None = None,
                 alloc: Callable[[int], tuple[object, memoryview]] = _fresh,
                 release: Callable[[object], None] = lambda token: None, codec_id: int = codec.RAW,
-                on_wire: Callable[[int], None] = lambda num_bytes: None,
+                on_wire: Callable[[int], None] = lambda num_bytes: None, tls: ssl.SSLContext | None = None,
                 ) -> AsyncIterator[tuple[bytes, object, memoryview]]:
     """Yield (hash, token, frame) for each block in order; each verified raw frame lands
     in `alloc(frame length) -> (token, writable view)` (a store slot, say): raw frames
     straight from the socket, encoded ones through one reused scratch buffer. A block
     cut short or damaged is handed to `release(token)`. Raises BlockMissing,
-    ConnectionError, TimeoutError, wire.FrameError."""
+    ConnectionError, TimeoutError, wire.FrameError (ssl.SSLError, an OSError, when the peer's
+    certificate does not verify)."""
     loop = asyncio.get_running_loop()
     deadline = None if timeout is None else loop.time() + timeout
     host, port = address.rsplit(":", 1)
@@ -101,14 +111,21 @@ async def fetch(address: str, hashes: list[bytes], timeout: float | None = None,
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 * 2**20)  # room while we verify a block
     scratch = bytearray()
+    writer = None
     try:
         await _within(deadline, loop.sock_connect(sock, (host, int(port))))
         request = _REQUEST.pack(MAGIC, codec_id, len(hashes)) + b"".join(hashes)
-        await _within(deadline, loop.sock_sendall(sock, request))
+        if tls is None:
+            conn = _Plain(loop, sock)
+        else:
+            reader, writer = await _within(deadline, asyncio.open_connection(
+                sock=sock, ssl=tls, server_hostname=host, limit=_TLS_BUFFER))
+            conn = _Tls(reader, writer)
+        await _within(deadline, conn.send(request))
         # envelope + frame header in one read; a MISSING answer is shorter and ends the stream
         head = bytearray(_HEADER.size + wire.HEADER_BYTES)
         for expected in hashes:
-            got = await _within(deadline, _recv_at_least(loop, sock, memoryview(head), _HEADER.size))
+            got = await _within(deadline, _recv_at_least(conn, memoryview(head), _HEADER.size))
             block_hash, length = _HEADER.unpack_from(head)
             if block_hash != expected:
                 raise ConnectionError("data plane returned blocks out of order")
@@ -116,7 +133,7 @@ async def fetch(address: str, hashes: list[bytes], timeout: float | None = None,
                 raise BlockMissing(f"block {expected.hex()} is not held by {address}")
             if not wire.HEADER_BYTES <= length <= MAX_BLOCK_BYTES:
                 raise wire.CorruptFrame(f"frame of {length} bytes is out of bounds")
-            await _within(deadline, _recv_exactly(loop, sock, memoryview(head)[got:]))
+            await _within(deadline, _recv_exactly(conn, memoryview(head)[got:]))
             header = wire.parse_header(memoryview(head)[_HEADER.size:])
             if header.block_hash != expected or length != wire.HEADER_BYTES + header.encoded_len:
                 raise wire.CorruptFrame(f"frame for block {expected.hex()} does not match its envelope")
@@ -125,12 +142,12 @@ async def fetch(address: str, hashes: list[bytes], timeout: float | None = None,
             try:
                 payload = frame[wire.HEADER_BYTES:]
                 if header.codec == codec.RAW:
-                    await _within(deadline, _recv_exactly(loop, sock, payload))
+                    await _within(deadline, _recv_exactly(conn, payload))
                 else:
                     if len(scratch) < header.encoded_len:
                         scratch = bytearray(header.encoded_len)
                     body = memoryview(scratch)[:header.encoded_len]
-                    await _within(deadline, _recv_exactly(loop, sock, body))
+                    await _within(deadline, _recv_exactly(conn, body))
                     try:
                         codec.decode_into(header.codec, body, header.element_bytes, payload)
                     except codec.CodecError as e:
@@ -143,23 +160,57 @@ async def fetch(address: str, hashes: list[bytes], timeout: float | None = None,
                 raise
             yield block_hash, token, frame
     finally:
+        if writer is not None:
+            writer.transport.abort()
         sock.close()
 
 
-async def _recv_at_least(loop, sock: socket.socket, view: memoryview, minimum: int) -> int:
+_TLS_BUFFER = 4 * 2**20
+
+
+class _Plain:
+    """Reads straight into the destination (a store slot) from the socket."""
+
+    def __init__(self, loop, sock: socket.socket):
+        self.loop, self.sock = loop, sock
+
+    async def send(self, data: bytes) -> None:
+        await self.loop.sock_sendall(self.sock, data)
+
+    async def recv_into(self, view: memoryview) -> int:
+        return await self.loop.sock_recv_into(self.sock, view)
+
+
+class _Tls:
+    """Reads decrypted bytes from the TLS stream (one copy more than plaintext)."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        self.reader, self.writer = reader, writer
+
+    async def send(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def recv_into(self, view: memoryview) -> int:
+        data = await self.reader.read(len(view))
+        view[:len(data)] = data
+        return len(data)
+
+
+async def _recv_at_least(conn, view: memoryview, minimum: int) -> int:
     """Read into `view` until at least `minimum` bytes are in; returns how many."""
     got = 0
     while got < minimum:
-        n = await loop.sock_recv_into(sock, view[got:])
+        n = await conn.recv_into(view[got:])
         if n == 0:
             raise ConnectionError("data plane connection closed mid-block")
         got += n
     return got
 
 
-async def _recv_exactly(loop, sock: socket.socket, view: memoryview) -> None:
+async def _recv_exactly(conn, view: memoryview) -> None:
     while view:
-        n = await loop.sock_recv_into(sock, view)
+        n = await conn.recv_into(view)
         if n == 0:
             raise ConnectionError("data plane connection closed mid-block")
         view = view[n:]

@@ -13,7 +13,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ember.rpc import logs, tracing
+from ember.rpc import logs, security, tracing
+from ember.rpc.authz import AuthzInterceptor
 from ember.rpc.errors import ErrorInterceptor
 
 MAX_MESSAGE_BYTES = 64 * 2**20
@@ -65,9 +66,15 @@ def bind_address(address: str) -> str:
 
 
 def channel(address: str) -> grpc.aio.Channel:
-    """A client channel that carries the trace context of the calling request (a CLIENT span per call)."""
-    return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
-                                     interceptors=tracing.client_interceptors())
+    """A client channel to another service of the cluster: mTLS with this process's certificate
+    (plaintext only when none is installed), carrying the trace context of the calling request
+    (a CLIENT span per call)."""
+    creds = security.current()
+    if creds is None:
+        return grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS,
+                                         interceptors=tracing.client_interceptors())
+    return grpc.aio.secure_channel(address, creds.channel_credentials(), options=CHANNEL_OPTIONS,
+                                   interceptors=tracing.client_interceptors())
 
 
 class Server:
@@ -77,18 +84,33 @@ class Server:
     # router's health polls (services/router/workers.py). EMBER_DRAIN_NOTICE_S overrides it.
     DRAIN_NOTICE_S = 1.0
 
-    def __init__(self, address: str, service_names: list[str]):
+    def __init__(self, address: str, service_names: list[str], public: bool = False, reflection_on: bool = True,
+                 internal: str | None = None):
+        """An internal server listens on `address` with mTLS when this process has credentials
+        (ember.rpc.security) and authorizes each call by the caller's role (ember.rpc.authz). A
+        `public` one (the router's API) listens in plaintext on `address` (API keys guard it) and
+        with mTLS on `internal`, where cluster services reach it."""
         self.address = address
         self.service_names = service_names
-        # the SERVER span first, so the error interceptor's status lands on it
-        self.server = grpc.aio.server(interceptors=[tracing.server_interceptor(), ErrorInterceptor()],
-                                      options=SERVER_OPTIONS)
+        creds = security.current()
+        # the SERVER span first, so the error interceptor's status lands on it; authorization inside
+        # (by certificate: nothing to check without credentials, `security: {tls: plaintext}`)
+        interceptors = [tracing.server_interceptor(), ErrorInterceptor()] + ([AuthzInterceptor()] if creds else [])
+        self.server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(service_names + [reflection.SERVICE_NAME, health.SERVICE_NAME],
-                                            self.server)
-        if self.server.add_insecure_port(bind_address(address)) == 0:
-            raise OSError(f"cannot listen on {address}")
+        if reflection_on:
+            reflection.enable_server_reflection(service_names + [reflection.SERVICE_NAME, health.SERVICE_NAME],
+                                                self.server)
+        for listen, secure in ((address, not public), (internal, True)):
+            if listen is None:
+                continue
+            if secure and creds is not None:
+                bound = self.server.add_secure_port(bind_address(listen), creds.server_credentials())
+            else:
+                bound = self.server.add_insecure_port(bind_address(listen))
+            if bound == 0:
+                raise OSError(f"cannot listen on {listen}")
 
     async def set_status(self, status) -> None:
         for name in self.service_names + [""]:

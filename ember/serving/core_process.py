@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import signal
 import sys
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="EngineConfig fields as JSON")
     p.add_argument("--kvstore", help="the site kvstore's gRPC address (L2, KV transfers)")
     p.add_argument("--no-shm", action="store_true", help="read frames over gRPC even on the same host")
+    p.add_argument("--tls-dir", help="the service's TLS folder (ember.rpc.security): mTLS to the kvstore")
     args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the service, which shuts us down
     exit_with_parent()
@@ -51,11 +53,20 @@ def main(argv: list[str] | None = None) -> int:
         from ember.engine.engine import LLMEngine
         from ember.serving.engine_core import EngineCore
         from ember.serving.messages import CoreInfo
+        if args.tls_dir:
+            from ember.rpc import security
+            security.install(security.Credentials.load(args.tls_dir))
         engine = LLMEngine(EngineConfig(**json.loads(args.config)))
         connector = None
         if args.kvstore:
+            from ember.rpc import security
             from ember.rpc.kv_connector import KVConnector
-            connector = KVConnector(args.kvstore, engine.frame_template, use_shm=not args.no_shm)
+            creds = security.current()  # the KV frame MAC key is read here, at the edge, and passed down
+            if creds is not None and creds.mac_key is None:
+                logging.getLogger("ember.engine").warning(
+                    "%s holds no kv-mac.key: KV frames go unsigned and are imported unchecked", creds.folder)
+            connector = KVConnector(args.kvstore, engine.frame_template, use_shm=not args.no_shm,
+                                    mac_key=creds.mac_key if creds is not None else None)
         core = EngineCore(engine, connector)
         info = CoreInfo(os.getpid(), engine.config.block_size, engine.block_manager.root_hash,
                         engine.loaded.args.vocab_size, engine.max_model_len, list(engine.kernels))

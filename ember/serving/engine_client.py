@@ -69,8 +69,10 @@ class EngineClient:
     # -- the interface ---------------------------------------------------------------------
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
                        plan: KVPlan | None = None, output_prefix: list[int] = (),
-                       timeout_s: float | None = None) -> AsyncIterator[RequestOutput]:
-        """Stream a request's outputs. Leaving the iterator early aborts the request."""
+                       timeout_s: float | None = None, cache_salt: bytes = b"",
+                       shared_blocks: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream a request's outputs. Leaving the iterator early aborts the request. `cache_salt`,
+        `shared_blocks`: its tenant's hash chain (ember.kv.block_hash)."""
         self._require_alive()
         self._loop = asyncio.get_running_loop()
         if request_id in self._streams:
@@ -80,7 +82,7 @@ class EngineClient:
         finished = False
         try:
             self._send(("add", AddRequest(request_id, list(prompt), params, list(output_prefix), plan, timeout_s,
-                                          tracing.current_carrier())))
+                                          tracing.current_carrier(), cache_salt, shared_blocks)))
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -215,6 +217,9 @@ class SubprocessEngineClient(EngineClient):
                 "--config", config.model_dump_json()]
         if kvstore:
             argv += ["--kvstore", kvstore] + ([] if use_shm else ["--no-shm"])
+        from ember.rpc import security
+        if security.current() is not None:  # the core dials the kvstore as this service
+            argv += ["--tls-dir", str(security.current().folder)]
         process = subprocess.Popen(argv, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
         theirs.close()
         conn = Connection(mine.detach())

@@ -10,7 +10,7 @@ from ember.cluster.wan import parse_routes
 from ember.config.services import kvstore_settings
 from ember.kv import bulk, transfer
 from ember.kv.shm import ArenaServer
-from ember.rpc import metrics
+from ember.rpc import metrics, security
 from ember.rpc.directory import open_directory
 from ember.rpc.server import Server, bind_address, run_service
 from ember.services.common import service_args
@@ -29,14 +29,18 @@ async def main(args) -> None:
     store_id = os.urandom(16)
     shm_socket = f"@ember-kvstore-{store_id.hex()}" if s.shm_socket is None else s.shm_socket
     arena = ArenaServer(shm_socket, store.fd, store.capacity_bytes, store_id) if shm_socket else None
+    creds = security.current()
     service = KVStoreService(store, s.data_listen or "", s.codec, shm_socket, store_id,
-                             routes=parse_routes(args.route))
+                             routes=parse_routes(args.route), peers=set(s.peers),
+                             tls=None if creds is None else creds.client_context())
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, server.server)
     server.server.add_generic_rpc_handlers((bulk.handler(store.pinned, service.put_frame),))
     data_server = None
     if s.data_listen:
         host, port = bind_address(s.data_listen).rsplit(":", 1)
-        data_server = await transfer.serve(host, int(port), store.pinned)
+        data_server = await transfer.serve(  # over mTLS, blocks stream only to the cluster's kvstores
+            host, int(port), store.pinned, tls=None if creds is None else creds.server_context(),
+            authorize=lambda peercert: security.peer_has_role(peercert, {"kvstore"}))
     publisher = Publisher(store, open_directory(s.directory, s.directory_ttl_s), s.site)
     publisher.start()
 

@@ -25,12 +25,13 @@ class Peer:
 class PeerFetcher:
     """`mode`: raw, planes, or auto (planes only on links slow enough for it to pay)."""
 
-    def __init__(self, store: BlockStore, mode: str = "auto", routes: dict[str, str] | None = None):
+    def __init__(self, store: BlockStore, mode: str = "auto", routes: dict[str, str] | None = None, tls=None):
         if mode not in ("raw", "planes", "auto"):
             raise ValueError(f"codec mode must be raw, planes or auto, got {mode!r}")
         self.store, self.mode = store, mode
         self.routes = routes or {}  # peer address -> emulated-link relay in front of it
         self.peers: dict[str, Peer] = {}
+        self.tls = tls  # ssl.SSLContext of the data plane (mTLS), or None
 
     def peer(self, address: str) -> Peer:
         if address not in self.peers:
@@ -70,7 +71,7 @@ class PeerFetcher:
             on_wire(n)
         async for block_hash, slot, frame in transfer.fetch(peer.data_address, hashes, timeout, alloc=reserve,
                                                             release=self.store.abandon, codec_id=codec_id,
-                                                            on_wire=counted):
+                                                            on_wire=counted, tls=self.tls):
             self.store.commit(block_hash, slot)
             raw_bytes += len(frame)
             yield block_hash, frame

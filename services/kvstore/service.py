@@ -25,10 +25,14 @@ from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: BlockStore, data_address: str = "", codec_mode: str = "auto",
-                 shm_socket: str = "", store_id: bytes = b"", routes: dict[str, str] | None = None):
+                 shm_socket: str = "", store_id: bytes = b"", routes: dict[str, str] | None = None,
+                 peers: set[str] | None = None, tls=None):
+        """`peers`: the kvstores a Pull may name as its source (the config's other sites; None:
+        any, for in-process tests); `tls`: the data plane's client context (mTLS)."""
         self.store = store
         self.data_address, self.shm_socket, self.store_id = data_address, shm_socket, store_id
-        self.fetcher = PeerFetcher(store, codec_mode, routes)
+        self.peers = peers
+        self.fetcher = PeerFetcher(store, codec_mode, routes, tls)
         self.wire_bytes_pulled = 0
         self._inflight: dict[bytes, asyncio.Future] = {}  # one fetch per block at a time
 
@@ -87,6 +91,10 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
     async def Pull(self, request, context):
         hashes = list(dict.fromkeys(validate.block_hashes(request.block_hashes)))
         validate.address(request.source, "source")
+        if request.source and self.peers is not None and request.source not in self.peers:
+            # never dial an address a caller names: only the cluster's own kvstores
+            raise RpcError(grpc.StatusCode.PERMISSION_DENIED,
+                           f"source {request.source!r} is not a kvstore of this cluster's config")
         if request.lease_s > 0:
             validate.lease_s(request.lease_s)
         if not request.lease_s >= 0:  # NaN too

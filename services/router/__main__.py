@@ -1,6 +1,8 @@
 """ember serve router --config CLUSTER.yaml  (or python -m ember.services.router ...)"""
 from __future__ import annotations
 
+import os
+
 from ember.cluster.wan import parse_routes
 from ember.config.derived import model_facts
 from ember.config.services import router_settings
@@ -12,28 +14,40 @@ from ember.rpc import metrics
 from ember.rpc.directory import DirectoryService
 from ember.rpc.server import Server, run_service
 from ember.services.common import service_args
-from ember.services.router import openai_http
+from ember.services.router import auth, openai_http
 from ember.services.router.service import RouterService
 from ember.services.router.shared_view import SharedWorkerView
+from ember.services.router.tenants import SharedPrefixes
 from ember.services.router.workers import WorkerPool
 from ember.v1 import directory_pb2_grpc, router_pb2, router_pb2_grpc
 
 
 async def main(args) -> None:
     config, s = args.cluster, router_settings(args.cluster)
+    try:  # API keys: the keys file, plus EMBER_API_KEY (tenant `default`), read here once
+        keys = auth.load(s.api_keys_file, os.environ.get("EMBER_API_KEY"))
+    except ValueError as e:
+        raise SystemExit(f"router: {e}") from None
+    if s.require_api_key and not keys.enabled:
+        raise SystemExit("router: router.require_api_key is set but no API key is configured: set EMBER_API_KEY "
+                         "or router.api_keys_file (a YAML file mapping each key to its tenant)")
     model = model_facts(config)  # the KV layout every engine of the cluster writes, read from the model's files
     # Redis when configured; otherwise this router hosts an in-memory directory the kvstores publish to
     directory = RedisDirectory(s.directory, s.directory_ttl_s) if s.directory else MemoryDirectory(s.directory_ttl_s)
     # several routers behind one balancer share worker load and down reports through that Redis
     shared = SharedWorkerView(s.directory, name=f"router@{s.listen}") if s.directory else None
     workers = WorkerPool(config, parse_routes(args.route), shared)
+    tokenizer = Tokenizer.from_folder(model.folder)
     service = RouterService(
-        Tokenizer.from_folder(model.folder), model_id=model.model_id, max_model_len=model.max_model_len,
+        tokenizer, model_id=model.model_id, max_model_len=model.max_model_len,
         vocab_size=model.vocab_size, placer=Placer(config), workers=workers,
         block_size=model.kv_layout.block_size, root_hash=root_hash(model.kv_layout), directory=directory,
         max_inflight=s.max_inflight, max_migrations=s.max_migrations, retry_after_s=s.retry_after_s,
-        stall_timeout_s=s.stall_timeout_s)
-    server = Server(s.listen, [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name])
+        stall_timeout_s=s.stall_timeout_s, keys=keys,
+        shared_prefixes=SharedPrefixes(tokenizer, s.shared_prefixes, model.kv_layout.block_size))
+    # the public API in plaintext (API keys); cluster services reach the directory on the mTLS port
+    server = Server(s.listen, [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name], public=True,
+                    reflection_on=s.reflection, internal=None if s.directory else s.internal)
     router_pb2_grpc.add_RouterServicer_to_server(service, server.server)
     if isinstance(directory, MemoryDirectory):
         directory_pb2_grpc.add_BlockDirectoryServicer_to_server(DirectoryService(directory), server.server)
