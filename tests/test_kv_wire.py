@@ -101,6 +101,13 @@ def test_bad_magic_and_future_versions_are_invalid_argument():
         wire.decode_frame(FRAME[:4] + bytes([9]) + FRAME[5:])
 
 
+def test_version_1_frames_from_before_the_mac_are_refused():
+    """Version 2 added the nonce and MAC (header 72 -> 104 bytes): an older engine's frame is not read."""
+    assert wire.VERSION == 2 and wire.HEADER_BYTES == 104
+    with pytest.raises(wire.LayoutMismatch, match="version 1 is not supported .this build reads 2"):
+        wire.decode_frame(FRAME[:4] + bytes([1]) + FRAME[5:], TEMPLATE)
+
+
 FUZZ = settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

@@ -14,9 +14,20 @@ to the network namespace: exactly "same host" for processes and shared-netns con
 Handshake: the reader connects; the kvstore sends b"EKVS", its 16-byte store id and the
 arena size (uint64) with the fd attached, then closes. The store id (also in
 KVStore.Stats) guards against a same-named socket of another kvstore.
+
+Who gets the fd, and what it allows:
+- only a peer of the kvstore's own uid (SO_PEERCRED on the accepted socket): any other is
+  closed on without a byte sent (an abstract socket has no file permissions to do this);
+- read only, twice over: the memfd is sealed (`sealed_arena`: F_SEAL_SHRINK, F_SEAL_GROW,
+  F_SEAL_FUTURE_WRITE, F_SEAL_SEAL; Linux >= 5.1) once the store has mapped it writable, so
+  no later writable shared mapping and no write() through any fd can exist, even through a
+  reopened /proc/PID/fd/N; and the fd sent is an O_RDONLY reopen of it. The store's own
+  mapping, made before the seals, stays the only writer.
 """
 from __future__ import annotations
 
+import fcntl
+import logging
 import mmap
 import os
 import socket
@@ -27,10 +38,46 @@ from ember.errors import IntegrityError
 
 _HELLO = struct.Struct("<4s16sQ")
 MAGIC = b"EKVS"
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+F_SEAL_SEAL = getattr(fcntl, "F_SEAL_SEAL", 0x0001)
+F_SEAL_SHRINK = getattr(fcntl, "F_SEAL_SHRINK", 0x0002)
+F_SEAL_GROW = getattr(fcntl, "F_SEAL_GROW", 0x0004)
+F_SEAL_FUTURE_WRITE = getattr(fcntl, "F_SEAL_FUTURE_WRITE", 0x0010)  # Linux >= 5.1; Python does not export it
+SEALS = F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_FUTURE_WRITE | F_SEAL_SEAL
+
+log = logging.getLogger("ember.kvstore")
+
+
+def sealed_arena(name: str, size: int) -> tuple[mmap.mmap, int]:
+    """A `size`-byte memfd the caller alone can write: (its writable, populated mapping, a
+    read-only fd of it to hand to readers). The writable fd is closed here (CPython's mmap
+    keeps a dup of it, which the seal leaves unable to write as well)."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, size)
+        arena = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        try:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+        except OSError as e:  # a kernel before 5.1 has no F_SEAL_FUTURE_WRITE: the read-only fd alone guards it
+            log.warning("cannot seal the kvstore arena against writes (%s); readers get a read-only fd only", e)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)
+        return arena, read_only(fd)
+    finally:
+        os.close(fd)
+
+
+def read_only(fd: int) -> int:
+    """A new O_RDONLY, close-on-exec fd of the file `fd` is open on (via /proc/self/fd)."""
+    return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+
+
+def peer_uid(conn: socket.socket) -> int:
+    return _PEERCRED.unpack(conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))[1]
 
 
 class ArenaServer:
-    """Hands the arena's fd to whoever connects on `path` (a thread: tiny and blocking)."""
+    """Hands a read-only fd of the arena to same-uid peers that connect on `path` (a thread:
+    tiny and blocking); `refused` counts the others."""
 
     def __init__(self, path: str, fd: int, size: int, store_id: bytes):
         self.path = path
@@ -40,7 +87,11 @@ class ArenaServer:
         self.sock.bind(_address(path))
         self.sock.listen(16)
         self._hello = _HELLO.pack(MAGIC, store_id, size)
-        self._fd = fd
+        # whatever `fd` allows, readers get a read-only one (BlockStore's already is)
+        self._fd = fd if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY else read_only(fd)
+        self._own_fd = self._fd != fd
+        self._uid = os.geteuid()
+        self.refused = 0
         threading.Thread(target=self._serve, name="kv-shm", daemon=True).start()
 
     def _serve(self) -> None:
@@ -51,12 +102,21 @@ class ArenaServer:
                 return  # closed
             with conn:
                 try:
+                    uid = peer_uid(conn)
+                    if uid != self._uid:
+                        self.refused += 1
+                        log.warning("refused the shared-memory arena to a process of uid %d (this kvstore runs "
+                                    "as uid %d; only its own uid may map it)", uid, self._uid)
+                        continue
                     socket.send_fds(conn, [self._hello], [self._fd])
                 except OSError:
                     pass
 
     def close(self) -> None:
         self.sock.close()
+        if self._own_fd:
+            os.close(self._fd)
+            self._own_fd = False
         if not self.path.startswith("@"):
             try:
                 os.unlink(self.path)
@@ -76,7 +136,8 @@ class ArenaReader:
         if len(fds) != 1 or len(msg) != _HELLO.size:
             for fd in fds:
                 os.close(fd)
-            raise ConnectionError(f"{path}: not a kvstore arena socket")
+            raise ConnectionError(f"{path}: not a kvstore arena socket, or one that refused this process "
+                                  "(only the kvstore's own uid may map its arena)")
         magic, got_id, size = _HELLO.unpack(msg)
         try:
             if magic != MAGIC or got_id != store_id:

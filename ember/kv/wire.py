@@ -3,19 +3,41 @@
 Every block that leaves an engine travels and rests as a frame. The checksum (XXH3-64,
 ~45 GB/s here) covers the invariant header fields and the *raw* payload, so a frame can
 be re-encoded in flight (codec, encoded_len change) and still be verified end to end
-against what the producing engine wrote. Header, little-endian, 72 bytes:
+against what the producing engine wrote. Header, little-endian, 104 bytes:
 
-  magic "EKVB" | version u8 | codec u8 | dtype u8 | flags u8 (reserved, 0)
+  magic "EKVB" | version u8 (2) | codec u8 | dtype u8 | flags u8 (reserved, 0)
   block_size u16 | num_layers u16 | num_kv_heads u16 | head_dim u16
   root_hash 16B (model fingerprint + KV layout) | block_hash 16B
   raw_len u64 | encoded_len u64 | checksum u64
+  nonce 16B | mac 16B
+
+The checksum finds damage; it cannot find forgery (XXH3 is public, and so are block and
+root hashes). The MAC does: Poly1305 over the invariant header fields (the MAC zeroed) and
+the raw payload, under a one-time key that keyed BLAKE2b derives from the cluster secret
+(kv-mac.key, which only the KV producers, prefill and decode, hold) and those same header
+fields, the frame's fresh random nonce among them. It covers what the checksum covers, so a
+frame re-encoded in flight keeps it; the checksum covers the nonce and MAC as well, so a
+kvstore (which never holds the key and checks only the checksum) still finds any damaged
+byte. Producers sign (`encode_frame(..., mac_key)`, `sign_frame`); importers verify
+(`decode_frame(..., mac_key=...)`) before a byte is used. Without a key (`security: {tls:
+plaintext}`) frames carry a zero nonce and MAC and importers do not check them: whoever can
+write to a kvstore can then forge KV.
+
+Poly1305 was measured against the alternatives on this CPU (AMD EPYC with SHA-NI, a 360 KiB
+bf16 block): Poly1305 (cryptography's OpenSSL) 65 us (5.7 GB/s), HMAC-SHA256 265 us, keyed
+BLAKE2b (hashlib) 670 us, XXH3 15 us. Poly1305 holds the GIL while it runs (HMAC and
+BLAKE2b release it), 65-140 us at a time.
 
 Rejections: a frame that is not this format or does not fit the reader's layout raises
-`LayoutMismatch` (INVALID_ARGUMENT); one that is cut short, fails its checksum or does
-not decode raises `CorruptFrame` (DATA_LOSS). Nothing else escapes the decoder.
+`LayoutMismatch` (INVALID_ARGUMENT); one that is cut short, fails its checksum or does not
+decode raises `CorruptFrame` (DATA_LOSS), and one that fails its MAC `ForgedFrame` (a
+CorruptFrame). Nothing else escapes the decoder.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import struct
 from dataclasses import dataclass, replace
 
@@ -25,11 +47,14 @@ from ember.kv import codec
 from ember.kv.block_hash import HASH_BYTES, KVLayout
 
 MAGIC = b"EKVB"
-VERSION = 1
+VERSION = 2
+NONCE_BYTES = MAC_BYTES = 16
+MIN_MAC_KEY_BYTES = 16
+_ZERO_MAC = bytes(MAC_BYTES)
 DTYPES = {"float32": 1, "bfloat16": 2, "float16": 3}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 ELEMENT_BYTES = {1: 4, 2: 2, 3: 2}
-_HEADER = struct.Struct(f"<4sBBBBHHHH{HASH_BYTES}s{HASH_BYTES}sQQQ")
+_HEADER = struct.Struct(f"<4sBBBBHHHH{HASH_BYTES}s{HASH_BYTES}sQQQ{NONCE_BYTES}s{MAC_BYTES}s")
 HEADER_BYTES = _HEADER.size
 _MAX_RAW = 1 << 30
 
@@ -47,6 +72,10 @@ class CorruptFrame(FrameError):
     status = "DATA_LOSS"
 
 
+class ForgedFrame(CorruptFrame):
+    """Well formed and intact, but no holder of this cluster's MAC key signed it."""
+
+
 @dataclass(frozen=True)
 class FrameHeader:
     codec: int
@@ -60,19 +89,28 @@ class FrameHeader:
     raw_len: int
     encoded_len: int
     checksum: int = 0
+    nonce: bytes = bytes(NONCE_BYTES)
+    mac: bytes = bytes(MAC_BYTES)  # all zero: unsigned (no key)
 
     @property
     def element_bytes(self) -> int:
         return ELEMENT_BYTES[self.dtype]
 
     def pack(self) -> bytes:
-        return _HEADER.pack(MAGIC, VERSION, self.codec, self.dtype, 0, self.block_size, self.num_layers,
-                            self.num_kv_heads, self.head_dim, self.root_hash, self.block_hash, self.raw_len,
-                            self.encoded_len, self.checksum)
+        return self._pack(self.codec, self.encoded_len, self.checksum, self.mac)
 
     def invariant(self) -> bytes:
         """The fields the checksum covers (everything but codec, encoded_len, checksum)."""
-        return replace(self, codec=0, encoded_len=0, checksum=0).pack()
+        return self._pack(0, 0, 0, self.mac)
+
+    def signed(self) -> bytes:
+        """The fields the MAC covers (the checksum's, less the MAC itself)."""
+        return self._pack(0, 0, 0, _ZERO_MAC)
+
+    def _pack(self, codec_id: int, encoded_len: int, checksum: int, mac: bytes) -> bytes:
+        return _HEADER.pack(MAGIC, VERSION, codec_id, self.dtype, 0, self.block_size, self.num_layers,
+                            self.num_kv_heads, self.head_dim, self.root_hash, self.block_hash, self.raw_len,
+                            encoded_len, checksum, self.nonce, mac)
 
     def fits(self, expect: FrameHeader) -> None:
         """LayoutMismatch unless this frame was made for `expect`'s model and KV layout."""
@@ -96,19 +134,40 @@ def frame_bytes(raw_len: int) -> int:
     return HEADER_BYTES + raw_len
 
 
-def encode_frame(template: FrameHeader, block_hash: bytes, payload) -> bytes:
-    """A raw frame of `payload` (as the engine exported it) for the block `block_hash`."""
+def encode_frame(template: FrameHeader, block_hash: bytes, payload, mac_key: bytes | None = None) -> bytes:
+    """A raw frame of `payload` (as the engine exported it) for the block `block_hash`,
+    signed with `mac_key` when given (else it carries a zero MAC)."""
     header = replace(template, codec=codec.RAW, block_hash=block_hash, raw_len=len(payload),
-                     encoded_len=len(payload), checksum=0)
-    header = replace(header, checksum=_checksum(header, payload))
-    return header.pack() + bytes(payload)
+                     encoded_len=len(payload), checksum=0, nonce=bytes(NONCE_BYTES), mac=_ZERO_MAC)
+    return b"".join((_seal(header, payload, mac_key).pack(), payload))  # (`+` pays a copy more)
+
+
+def sign_frame(frame, mac_key: bytes) -> bytes:
+    """A raw frame this process made (`encode_frame`), signed with `mac_key` (a new nonce and
+    MAC, its checksum redone): what a KV producer sends."""
+    frame = memoryview(frame)
+    header = parse_header(frame)
+    if header.codec != codec.RAW:
+        raise ValueError("only raw frames are signed")
+    payload = frame[HEADER_BYTES:]
+    if len(payload) != header.encoded_len:
+        raise CorruptFrame(f"frame body is {len(payload)} bytes, its header says {header.encoded_len}")
+    return b"".join((_seal(header, payload, mac_key).pack(), payload))  # (`+` pays a copy more)
+
+
+def _seal(header: FrameHeader, payload, mac_key: bytes | None) -> FrameHeader:
+    """`header` with its nonce and MAC (when keyed) and then its checksum filled in."""
+    if mac_key is not None:
+        header = replace(header, nonce=os.urandom(NONCE_BYTES))
+        header = replace(header, mac=_mac(header, payload, mac_key))
+    return replace(header, checksum=_checksum(header, payload))
 
 
 def parse_header(buf) -> FrameHeader:
     if len(buf) < HEADER_BYTES:
         raise CorruptFrame(f"frame of {len(buf)} bytes is shorter than its {HEADER_BYTES}-byte header")
     (magic, version, codec_id, dtype, _flags, block_size, num_layers, num_kv_heads, head_dim, root, block_hash,
-     raw_len, encoded_len, checksum) = _HEADER.unpack_from(buf)
+     raw_len, encoded_len, checksum, nonce, mac) = _HEADER.unpack_from(buf)
     if _flags:
         raise LayoutMismatch(f"KV block frame sets flags {_flags:#x} this build does not know")
     if magic != MAGIC:
@@ -120,7 +179,7 @@ def parse_header(buf) -> FrameHeader:
     if dtype not in DTYPE_NAMES:
         raise LayoutMismatch(f"KV block frame has unknown dtype code {dtype}")
     header = FrameHeader(codec_id, dtype, block_size, num_layers, num_kv_heads, head_dim, root, block_hash,
-                         raw_len, encoded_len, checksum)
+                         raw_len, encoded_len, checksum, nonce, mac)
     expected_raw = 2 * num_layers * num_kv_heads * head_dim * block_size * ELEMENT_BYTES[dtype]
     if raw_len != expected_raw or not 0 < raw_len <= _MAX_RAW:
         raise CorruptFrame(f"frame says {raw_len} payload bytes, its layout implies {expected_raw}")
@@ -132,9 +191,10 @@ def parse_header(buf) -> FrameHeader:
 
 
 def decode_frame(buf, expect: FrameHeader | None = None, out: memoryview | None = None,
-                 block_hash: bytes | None = None) -> memoryview:
+                 block_hash: bytes | None = None, mac_key: bytes | None = None) -> memoryview:
     """The verified raw payload of a whole frame, made for `expect`'s layout and filed as
-    `block_hash` (when given). A raw frame's payload is returned as a view of `buf` (no
+    `block_hash` (when given), and signed with `mac_key` (when given: ForgedFrame unless a
+    holder of the key made it). A raw frame's payload is returned as a view of `buf` (no
     copy); an encoded one is decoded into `out` (or fresh memory)."""
     buf = memoryview(buf)
     header = parse_header(buf)
@@ -154,6 +214,8 @@ def decode_frame(buf, expect: FrameHeader | None = None, out: memoryview | None 
         except codec.CodecError as e:
             raise CorruptFrame(f"block {header.block_hash.hex()}: {e}") from e
     verify(header, payload)
+    if mac_key is not None:
+        verify_mac(header, payload, mac_key)
     return payload
 
 
@@ -183,6 +245,21 @@ def verify(header: FrameHeader, payload) -> None:
         raise CorruptFrame(f"block {header.block_hash.hex()} fails its checksum: the bytes were damaged")
 
 
+def verify_mac(header: FrameHeader, payload, mac_key: bytes) -> None:
+    """ForgedFrame (a CorruptFrame) unless `payload` under `header` was signed with `mac_key`."""
+    if not hmac.compare_digest(_mac(header, payload, mac_key), header.mac):
+        raise ForgedFrame(f"block {header.block_hash.hex()} fails its MAC: no KV producer of this cluster "
+                           "wrote it (forged, or signed with another cluster's key)")
+
+
+def check_mac_key(mac_key: bytes | None) -> bytes | None:
+    """`mac_key` if it is usable (ValueError if too short to be a secret)."""
+    if mac_key is not None and len(mac_key) < MIN_MAC_KEY_BYTES:
+        raise ValueError(f"the KV frame MAC key is {len(mac_key)} bytes; it needs at least {MIN_MAC_KEY_BYTES} "
+                         "random bytes (kv-mac.key: `ember certs` writes 32)")
+    return mac_key
+
+
 def reencode(frame, codec_id: int) -> tuple[FrameHeader, bytes | memoryview]:
     """(header, body) of a stored raw frame re-encoded with `codec_id`, checksum kept."""
     frame = memoryview(frame)
@@ -196,6 +273,24 @@ def reencode(frame, codec_id: int) -> tuple[FrameHeader, bytes | memoryview]:
     if len(encoded) >= len(body):  # incompressible: not worth the receiver's decode
         return header, body
     return replace(header, codec=codec_id, encoded_len=len(encoded)), encoded
+
+
+_PERSON = b"ember-kv-frame"
+
+
+def _mac(header: FrameHeader, payload, mac_key: bytes) -> bytes:
+    """Poly1305 of the signed header fields and the raw payload under a one-time key: keyed
+    BLAKE2b of the nonce and those fields (a fresh random nonce per frame: no key is reused)."""
+    from cryptography.hazmat.primitives.poly1305 import Poly1305
+    check_mac_key(mac_key)
+    if len(mac_key) > hashlib.blake2b.MAX_KEY_SIZE:
+        mac_key = hashlib.blake2b(mac_key, person=_PERSON).digest()
+    signed = header.signed()
+    one_time = hashlib.blake2b(signed, key=mac_key, digest_size=32, person=_PERSON).digest()
+    mac = Poly1305(one_time)
+    mac.update(signed)
+    mac.update(payload)
+    return mac.finalize()
 
 
 def _checksum(header: FrameHeader, payload) -> int:

@@ -4,11 +4,15 @@ The engine core's main thread never waits on the network: every kvstore call run
 connector's own thread (an asyncio loop with one gRPC channel), and the core polls the
 futures it gets back between steps. Loading leases the blocks (pulling them from another
 site's store first when asked), reads their frames (the store's shared memory on the same
-host, gRPC otherwise) and verifies each one against the engine's layout, model and
-checksum; the core copies them into its pool and then releases the lease, which the
+host, gRPC otherwise) and verifies each one against the engine's layout, model, checksum
+and MAC (when the cluster has a MAC key); the core copies them into its pool and then releases the lease, which the
 connector's loop renews until then (SiteKV), however long the core takes to get to it.
-Storing sends frames with the raw bulk Put (the store verifies them again and skips what it
-holds).
+Storing signs the frames with the MAC key (here, off the core's thread) and sends them with
+the raw bulk Put (the store verifies their checksums again and skips what it holds).
+
+The MAC key is a parameter: whoever builds the connector reads it at its edge
+(ember.serving.core_process: the installed credentials' kv-mac.key); None means a plaintext
+cluster, whose frames go unsigned and are read unchecked.
 """
 from __future__ import annotations
 
@@ -36,16 +40,18 @@ class Loaded:
 
 
 class KVConnector:
-    def __init__(self, kvstore_address: str, frame_template: wire.FrameHeader, use_shm: bool = True):
+    def __init__(self, kvstore_address: str, frame_template: wire.FrameHeader, use_shm: bool = True,
+                 mac_key: bytes | None = None):
         self.frame_template = frame_template
+        self.mac_key = wire.check_mac_key(mac_key)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kv-connector", daemon=True)
         self._thread.start()
-        self._kv: SiteKV = self._submit(self._open(kvstore_address, use_shm)).result(timeout=30)
+        self._kv: SiteKV = self._submit(self._open(kvstore_address, use_shm, self.mac_key)).result(timeout=30)
 
     @staticmethod
-    async def _open(address: str, use_shm: bool) -> SiteKV:
-        return SiteKV(channel(address), use_shm)
+    async def _open(address: str, use_shm: bool, mac_key: bytes | None) -> SiteKV:
+        return SiteKV(channel(address), use_shm, mac_key)
 
     def _submit(self, coro, trace_context: dict[str, str] | None = None) -> concurrent.futures.Future:
         async def traced():
@@ -60,6 +66,11 @@ class KVConnector:
     @property
     def blocks_grpc(self) -> int:
         return self._kv.blocks_grpc
+
+    @property
+    def frames_forged(self) -> int:
+        """Frames refused because their MAC failed (never imported)."""
+        return self._kv.frames_forged
 
     @property
     def leases_renewed(self) -> int:
@@ -98,7 +109,11 @@ class KVConnector:
 
     def store(self, frames: list[tuple[bytes, bytes]], timeout: float | None = 60.0,
               trace_context: dict[str, str] | None = None) -> concurrent.futures.Future:
-        """Bulk-put (hash, frame) pairs; the future gives (blocks stored, blocks already there)."""
+        """Bulk-put (hash, frame) pairs (raw frames from the engine; signed here, lazily, on the
+        connector's thread); the future gives (blocks stored, blocks already there)."""
+        if self.mac_key is not None:
+            key = self.mac_key
+            frames = ((h, wire.sign_frame(frame, key)) for h, frame in frames)
         return self._submit(bulk.put(self._kv.channel, frames, timeout=timeout), trace_context)
 
     def close(self) -> None:

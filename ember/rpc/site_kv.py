@@ -4,9 +4,10 @@ memory on the same host, raw-bytes gRPC otherwise), verify them, release the lea
 Prefill and decode both import KV through this: decode the blocks prefill made elsewhere,
 prefill the blocks its site already holds (a follow-up turn placed at the edge reuses the
 KV that decode pulled there). Every frame is checked against the engine's own layout and
-model (INVALID_ARGUMENT) and checksum (DATA_LOSS) before import; a lease that expired
-before the copy ends the request with DATA_LOSS rather than run on bytes that may have
-changed.
+model (INVALID_ARGUMENT), checksum and, with the cluster's MAC key, MAC (DATA_LOSS: a frame
+no KV producer of this cluster signed is never imported) before import; a lease that
+expired before the copy ends the request with DATA_LOSS rather than run on bytes that may
+have changed.
 
 Every lease this gets (from Pull or Acquire) is renewed every third of its granted time to
 live until `release` ends it, however long the frames take to read and import; renewal
@@ -33,8 +34,11 @@ log = logging.getLogger("ember.site_kv")
 
 
 class SiteKV:
-    def __init__(self, channel: grpc.aio.Channel, use_shm: bool = True):
+    def __init__(self, channel: grpc.aio.Channel, use_shm: bool = True, mac_key: bytes | None = None):
+        """`mac_key`: the cluster's KV frame MAC key; None (plaintext clusters) reads unsigned frames."""
         self.channel = channel
+        self.mac_key = wire.check_mac_key(mac_key)
+        self.frames_forged = 0  # frames refused for their MAC
         self.stub = kvstore_pb2_grpc.KVStoreStub(channel)
         self.use_shm = use_shm
         self.arena: ArenaReader | None = None
@@ -106,7 +110,8 @@ class SiteKV:
 
     async def payloads(self, hashes: list[bytes], lease: kvstore_pb2.LeaseResponse, expect: wire.FrameHeader,
                        timeout: float | None) -> dict[bytes, memoryview]:
-        """Verified raw payloads of the leased blocks (wire.FrameError if one is damaged or foreign)."""
+        """Verified raw payloads of the leased blocks (wire.FrameError if one is damaged, foreign
+        or, with a MAC key, not signed with it: wire.ForgedFrame)."""
         arena = await self._arena(lease.store_id)
         held = [(h, offset) for h, offset, ok in zip(hashes, lease.offsets, lease.present) if ok]
         frames = {}
@@ -117,7 +122,13 @@ class SiteKV:
             async for h, frame in bulk.fetch(self.channel, [h for h, _ in held], timeout=timeout):
                 frames[h] = frame
             self.blocks_grpc += len(frames)
-        return {h: wire.decode_frame(frame, expect, block_hash=h) for h, frame in frames.items()}
+        try:
+            return {h: wire.decode_frame(frame, expect, block_hash=h, mac_key=self.mac_key)
+                    for h, frame in frames.items()}
+        except wire.ForgedFrame as e:
+            self.frames_forged += 1
+            log.warning("refused a KV block from the site kvstore: %s", e)
+            raise
 
     async def release(self, lease_id: int, check: bool = True) -> None:
         """End a lease; with `check`, a lease that expired first is DATA_LOSS for the caller."""

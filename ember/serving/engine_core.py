@@ -129,6 +129,7 @@ class EngineCore:
                 "held_blocks": sum(len(x.pins) for x in (*self.pending.values(), *self.live.values())),
                 "blocks_shared_memory": getattr(self.connector, "blocks_shared_memory", 0),
                 "blocks_grpc": getattr(self.connector, "blocks_grpc", 0),
+                "frames_forged": getattr(self.connector, "frames_forged", 0),  # refused: their MAC failed
                 "preemptions": engine.scheduler.num_preemptions, "evictions": bm.num_evictions,
                 **vars(self.tiers)}
 

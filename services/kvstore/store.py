@@ -5,7 +5,8 @@ in one arena allocated and populated up front (MAP_POPULATE: ~0.5 s per GiB at s
 cut into slots of the first frame size seen, so a block arriving from the network is
 received straight into memory that is already mapped (populated memory took copies at
 12.4 GB/s here, fresh anonymous memory 1.6 GB/s). The arena is a memfd, so a reader on
-the same host can map it and copy blocks out without a socket (services/kvstore/shm.py).
+the same host can map it and copy blocks out without a socket (ember/kv/shm.py): sealed, so
+this mapping is the only one that writes, and handed read-only to same-uid readers only.
 
 A block is pinned while anyone reads it: a transfer in flight (`pinned`) or a lease
 (`acquire` ... `release_lease`). Eviction is LRU over unpinned blocks only. A lease
@@ -20,8 +21,6 @@ Pull across a slow link), `held` keeps it from expiring; its TTL runs from the c
 from __future__ import annotations
 
 import math
-import mmap
-import os
 import secrets
 import time
 from collections import Counter, OrderedDict
@@ -30,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from ember.errors import InvalidRequestError
+from ember.kv.shm import sealed_arena
 
 
 @dataclass
@@ -74,9 +74,8 @@ class BlockStore:
             raise ValueError(f"max_lease_s must be a positive number of seconds, got {max_lease_s}")
         self.capacity_bytes = capacity_bytes
         self.max_lease_s = max_lease_s
-        self.fd = os.memfd_create("ember-kvstore", os.MFD_CLOEXEC)
-        os.ftruncate(self.fd, capacity_bytes)
-        self._map = mmap.mmap(self.fd, capacity_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        # the only writable mapping; self.fd is read-only and the memfd sealed against writes (shm.py)
+        self._map, self.fd = sealed_arena("ember-kvstore", capacity_bytes)
         self.arena = memoryview(self._map)
         self.slot_bytes = 0  # fixed by the first block stored
         self.free_slots: list[int] = []
