@@ -5,6 +5,8 @@ chain hash registered, so later sequences with the same prefix share it. When it
 reference goes, a registered block is not freed but parked in an LRU of evictable
 blocks: it stays a cache hit until the space is needed. Only blocks with no references
 are ever evicted, so a running sequence never reads a block someone else overwrote.
+Hashes follow each sequence's tenant chain (`Sequence.cache_salt`, ember.kv.block_hash), so
+tenants never hit each other's blocks.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from ember.engine.sequence import Sequence
-from ember.kv.block_hash import block_hash
+from ember.kv.block_hash import block_hash, parent_of
 
 
 @dataclass
@@ -65,7 +67,7 @@ class BlockManager:
         hits, parent = [], self.root_hash
         for i in range(max_blocks):
             block_tokens = tokens[i * bs:(i + 1) * bs]
-            parent = block_hash(parent, block_tokens)
+            parent = block_hash(parent_of(i, parent, seq.cache_salt, seq.shared_blocks), block_tokens)
             block_id = self.lookup(parent, block_tokens)
             if block_id is None:
                 break
@@ -104,7 +106,7 @@ class BlockManager:
         for i in range(len(seq.block_hashes), seq.num_computed_tokens // bs):
             tokens = seq.token_ids[i * bs:(i + 1) * bs]
             parent = seq.block_hashes[-1] if seq.block_hashes else self.root_hash
-            h = block_hash(parent, tokens)
+            h = block_hash(parent_of(i, parent, seq.cache_salt, seq.shared_blocks), tokens)
             seq.block_hashes.append(h)
             block = self.blocks[seq.block_table[i]]
             if h not in self.cached:  # a twin computed concurrently stays private

@@ -73,10 +73,12 @@ class LLMEngine:
 
     # -- requests ----------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams = SamplingParams(),
-                    request_id: str | None = None, output_prefix: list[int] = (), check_queue: bool = True) -> str:
+                    request_id: str | None = None, output_prefix: list[int] = (), check_queue: bool = True,
+                    cache_salt: bytes = b"", shared_blocks: int = 0) -> str:
         """Queue a request. `output_prefix`: tokens of this request already generated
         elsewhere (the first token, sampled by a prefill server); they count towards
-        max_tokens and the text, whose part already streamed is not streamed again."""
+        max_tokens and the text, whose part already streamed is not streamed again.
+        `cache_salt`, `shared_blocks`: its tenant's hash chain (ember.kv.block_hash)."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.seqs:
             raise InvalidRequestError(f"request_id {request_id!r} is already running")
@@ -87,7 +89,8 @@ class LLMEngine:
         if len(output_prefix) >= params.max_tokens:
             raise InvalidRequestError("output_prefix already reaches max_tokens: nothing left to generate")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
-        seq = Sequence(request_id, token_ids + list(output_prefix), len(token_ids), params, seed)
+        seq = Sequence(request_id, token_ids + list(output_prefix), len(token_ids), params, seed,
+                       cache_salt=cache_salt, shared_blocks=shared_blocks)
         if output_prefix:
             update_text(seq, self.tokenizer.decode, final=False)  # = streamed_text: already sent
         self.seqs[request_id] = seq
@@ -206,7 +209,7 @@ class LLMEngine:
                 for h, payload in zip(block_hashes, self.export_blocks(block_hashes))]
 
     def import_blocks(self, token_ids: list[int], block_hashes: list[bytes], payloads: list[bytes | None],
-                      hold: list[int] | None = None) -> int:
+                      hold: list[int] | None = None, cache_salt: bytes = b"", shared_blocks: int = 0) -> int:
         """Put the KV of the first len(block_hashes) full blocks of token_ids into the cache.
 
         The hashes are recomputed from the tokens and must match, so a block can never be
@@ -217,10 +220,11 @@ class LLMEngine:
         With `hold`, every imported block stays referenced (its id appended to `hold`) so
         nothing can evict it before its request is admitted; the caller releases them. A
         pool with no free block then ends the import early instead of failing (the rest
-        is recomputed).
+        is recomputed). `cache_salt`, `shared_blocks`: the request's tenant chain.
         """
         bs = self.config.block_size
-        expected = chain_hashes(token_ids[:len(block_hashes) * bs], bs, self.block_manager.root_hash)
+        expected = chain_hashes(token_ids[:len(block_hashes) * bs], bs, self.block_manager.root_hash,
+                                salt=cache_salt, shared_blocks=shared_blocks)
         if len(expected) != len(block_hashes) or expected != list(block_hashes):
             raise IntegrityError("block hashes do not match the tokens and KV layout they claim")
         if len(payloads) != len(block_hashes):

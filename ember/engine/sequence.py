@@ -30,6 +30,9 @@ class Sequence:
     num_text_emitted: int = 0
     num_preemptions: int = 0
     admitted_once: bool = False
+    # its tenant's hash chain (ember.kv.block_hash.parent_of): b"" is the plain, shared chain
+    cache_salt: bytes = b""
+    shared_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:

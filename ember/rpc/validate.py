@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 
 from ember.engine.sampling_params import SamplingParams
 from ember.errors import InvalidRequestError
-from ember.kv.block_hash import HASH_BYTES
+from ember.kv.block_hash import HASH_BYTES, MAX_SALT_BYTES
 
 MAX_STOP_STRINGS = 64          # per request (OpenAI allows 4)
 MAX_STOP_STRING_BYTES = 256    # each, UTF-8
@@ -90,6 +90,16 @@ def block_hashes(hashes: Iterable[bytes], field: str = "block_hashes", limit: in
     return hashes
 
 
+def tenant_chain(request, prompt_len: int, block_size: int) -> None:
+    """A Prefill/DecodeRequest's `cache_salt` and `shared_blocks` (ember.kv.block_hash): a salt of at
+    most MAX_SALT_BYTES, shared blocks no more than the prompt's full blocks."""
+    if len(request.cache_salt) > MAX_SALT_BYTES:
+        raise invalid(f"cache_salt is {len(request.cache_salt)} bytes; at most {MAX_SALT_BYTES} are accepted")
+    if request.shared_blocks > prompt_len // max(1, block_size):
+        raise invalid(f"shared_blocks is {request.shared_blocks}; the prompt has only "
+                      f"{prompt_len // max(1, block_size)} full blocks")
+
+
 def seconds(value: float, field: str) -> float:
     if not math.isfinite(value):
         raise invalid(f"{field} must be a finite number of seconds, got {value}")
@@ -140,6 +150,7 @@ def prefill_request(request, info) -> SamplingParams:
         raise invalid("token_ids is empty")
     token_ids(request.token_ids, info.vocab_size, "token_ids", info.max_model_len)
     block_hashes(request.block_hashes)
+    tenant_chain(request, len(request.token_ids), info.block_size)
     return params
 
 
@@ -157,4 +168,5 @@ def decode_request(request, info) -> SamplingParams:
         raise invalid(f"block_hashes has {len(request.block_hashes)} entries; the prompt has only "
                       f"{len(request.prompt_token_ids) // max(1, info.block_size)} full blocks")
     address(request.source_kvstore, "source_kvstore")
+    tenant_chain(request, len(request.prompt_token_ids), info.block_size)
     return params

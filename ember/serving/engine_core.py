@@ -93,7 +93,7 @@ class EngineCore:
             self.deadlines[rid] = time.monotonic() + request.timeout_s
         bs = engine.config.block_size
         prompt = request.prompt_token_ids
-        hashes = chain_hashes(prompt, bs, bm.root_hash)
+        hashes = chain_hashes(prompt, bs, bm.root_hash, salt=request.cache_salt, shared_blocks=request.shared_blocks)
         pins = []
         for i, h in enumerate(hashes):
             block_id = bm.lookup(h, prompt[i * bs:(i + 1) * bs])
@@ -244,7 +244,9 @@ class EngineCore:
         covered = pending.hashes[:len(pending.pins) + len(loaded.hashes)]
         payloads = [None] * len(pending.pins) + [loaded.payloads.get(h) for h in loaded.hashes]
         try:
-            kv.blocks_l2 = self.engine.import_blocks(request.prompt_token_ids, covered, payloads, hold=held)
+            kv.blocks_l2 = self.engine.import_blocks(request.prompt_token_ids, covered, payloads, hold=held,
+                                                     cache_salt=request.cache_salt,
+                                                     shared_blocks=request.shared_blocks)
         except IntegrityError as exc:
             self.connector.release(loaded.lease_id, check=False)
             self._release_pins(held)
@@ -256,7 +258,8 @@ class EngineCore:
                l2_lookup: concurrent.futures.Future | None = None) -> list[tuple]:
         try:
             self.engine.add_request(request.prompt_token_ids, request.params, request.request_id,
-                                    output_prefix=request.output_prefix, check_queue=False)
+                                    output_prefix=request.output_prefix, check_queue=False,
+                                    cache_salt=request.cache_salt, shared_blocks=request.shared_blocks)
         except (InvalidRequestError, CapacityError) as e:
             self._release_pins(pins)
             return [_error(request.request_id, e)]

@@ -50,6 +50,8 @@ class AddRequest:
     plan: KVPlan | None = None  # None: the pool alone (no kvstore)
     timeout_s: float | None = None  # for the KV transfers this request needs
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C headers: its KV calls join the trace
+    cache_salt: bytes = b""  # its tenant's hash chain (ember.kv.block_hash): b"" is the plain chain
+    shared_blocks: int = 0   # leading prompt blocks inside a prefix every tenant shares (unsalted)
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,9 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         if params.max_tokens <= len(prefix):
             raise RpcError(grpc.StatusCode.INVALID_ARGUMENT, f"sampling.max_tokens ({params.max_tokens}) must exceed "
                            f"the {len(prefix)} token(s) already generated (it counts them)")
-        if wanted != chain_hashes(prompt, info.block_size, info.root_hash)[:len(wanted)]:
+        salt, shared = request.cache_salt, request.shared_blocks  # the tenant's chain, as the router hashed it
+        if wanted != chain_hashes(prompt, info.block_size, info.root_hash, salt=salt,
+                                  shared_blocks=shared)[:len(wanted)]:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "block_hashes are not this prompt's leading blocks "
                            "as this decode server hashes them: the model, KV dtype or block size differ")
         # block_hashes: the prompt's leading blocks the source kvstore holds (prefill stored them)
@@ -61,8 +63,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         first, first_at, sent = True, time.perf_counter(), 0
         try:
             async for out in self.engine.generate(prompt, params, request.request_id, plan=plan,
-                                                  output_prefix=prefix,
-                                                  timeout_s=remaining(context)):
+                                                  output_prefix=prefix, timeout_s=remaining(context),
+                                                  cache_salt=salt, shared_blocks=shared):
                 msg = decode_pb2.DecodeResponse(token_ids=out.new_token_ids, text=out.new_text,
                                                 finished=out.finished, finish_reason=out.finish_reason or "",
                                                 completion_tokens=out.completion_tokens)

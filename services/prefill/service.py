@@ -41,14 +41,16 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         params = validate.prefill_request(request, self.engine.info)
         prompt = list(request.token_ids)
         info = self.engine.info
-        hashes = chain_hashes(prompt, info.block_size, info.root_hash)
+        salt, shared = request.cache_salt, request.shared_blocks  # the tenant's chain, as the router hashed it
+        hashes = chain_hashes(prompt, info.block_size, info.root_hash, salt=salt, shared_blocks=shared)
         if request.block_hashes and list(request.block_hashes) != hashes:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "the router's block hashes differ from this "
                            "prefill server's: they disagree on the model, KV dtype or block size")
         final = None
         try:
             async for out in self.engine.generate(prompt, replace(params, max_tokens=1), request.request_id,
-                                                  plan=self.plan, timeout_s=remaining(context)):
+                                                  plan=self.plan, timeout_s=remaining(context), cache_salt=salt,
+                                                  shared_blocks=shared):
                 final = out
         except (asyncio.CancelledError, GeneratorExit):
             left = context.time_remaining()  # the engine drops the request (queued or running)

@@ -4,7 +4,12 @@
 becomes a `GenerateRequest` and runs through `RouterService.Generate`, the same placement,
 prefill, KV and decode path as the gRPC API. Errors come back in OpenAI's JSON shape with
 the HTTP status matching the gRPC status. Ember extensions in the body (`extra_body` in the
-openai client): `user_region`, `session_id`, `top_k`, `ignore_eos`.
+openai client): `user_region`, `session_id`, `top_k`, `ignore_eos`, `cache_salt` (vLLM's).
+
+With API keys configured (services/router/auth.py), every route but /health needs
+`Authorization: Bearer KEY` (the openai client's `api_key`): else 401 with OpenAI's error body
+(`code: invalid_api_key`). The key's tenant goes with the request into `RouterService.Generate`
+(in its context).
 """
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from pydantic import ValidationError
 from ember.rpc import validate
 from ember.rpc.errors import status_for
 from ember.rpc.server import bind_address
+from ember.services.router.auth import ANONYMOUS, Authenticated, KeyTable
 from ember.services.router.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -44,20 +50,48 @@ HTTP_STATUS = {
 # The largest body read: the router's text cap plus room for the rest of a request (a longer
 # text is refused by that cap anyway, without parsing a body that size on the event loop).
 MAX_BODY_BYTES = validate.MAX_TEXT_BYTES + 2**20
+# Routes open without an API key (load balancers and orchestrators probe them).
+OPEN_PATHS = frozenset({"/health"})
+TENANT = web.RequestKey("tenant", str)  # the caller's, once its key is checked
 
 
 def error_response(status: int, kind: str, message: str, param: str | None = None,
-                   retry_after_s: float | None = None) -> web.Response:
-    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s is not None else None
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                             status=status, headers=headers)
+                   retry_after_s: float | None = None, code: str | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    headers = dict(headers or {})
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
+    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                             status=status, headers=headers or None)
 
 
-class _Deadline:
-    """What `Generate` needs of a gRPC context, for HTTP callers: the time left, and the status
-    of a request it refused without raising (admission)."""
+def _authentication(keys):
+    """A middleware answering 401 (OpenAI's body) to a request on any route but OPEN_PATHS whose
+    `Authorization: Bearer KEY` names no configured key; the tenant goes in `request[TENANT]`."""
+    @web.middleware
+    async def authenticate(request: web.Request, handler):
+        if not keys.enabled or request.path in OPEN_PATHS:
+            request[TENANT] = ANONYMOUS
+            return await handler(request)
+        header = request.headers.get("Authorization")
+        tenant = keys.check_authorization(header)
+        if tenant is None:
+            message = ("You didn't provide an API key. Send it as `Authorization: Bearer KEY`." if header is None
+                       else "Incorrect API key provided.")
+            return error_response(401, "invalid_request_error", message, code="invalid_api_key",
+                                  headers={"WWW-Authenticate": 'Bearer realm="ember"'})
+        request[TENANT] = tenant
+        return await handler(request)
+    return authenticate
 
-    def __init__(self, timeout_s: float):
+
+class _Deadline(Authenticated):
+    """What `Generate` needs of a gRPC context, for HTTP callers: the time left, the caller's
+    tenant (its key checked here), and the status of a request it refused without raising
+    (admission)."""
+
+    def __init__(self, timeout_s: float, tenant: str = ANONYMOUS):
+        self.tenant = tenant
         self.deadline = time.monotonic() + timeout_s
         self.code: grpc.StatusCode | None = None
         self.details, self.trailing = "", ()
@@ -99,9 +133,10 @@ def _traced_app() -> web.Application:
 
 
 class OpenAIApp:
-    def __init__(self, service, timeout_s: float = 600.0):
+    def __init__(self, service, timeout_s: float = 600.0, keys: KeyTable | None = None):
         self.service, self.timeout_s = service, timeout_s
         self.app = _traced_app()
+        self.app.middlewares.append(_authentication(keys or KeyTable()))
         self.app.add_routes([web.get("/v1/models", self.models), web.post("/v1/chat/completions", self.chat),
                              web.post("/v1/completions", self.completions), web.get("/health", self.health)])
 
@@ -116,7 +151,7 @@ class OpenAIApp:
     def _request(self, body: GenerationRequest, **inp) -> router_pb2.GenerateRequest:
         return router_pb2.GenerateRequest(model=body.model or "", sampling=_sampling(body),
                                           user_region=body.user_region or "", session_id=body.session_id or "",
-                                          **inp)
+                                          cache_salt=body.cache_salt or "", **inp)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         def build(body: ChatCompletionRequest) -> router_pb2.GenerateRequest:
@@ -144,7 +179,7 @@ class OpenAIApp:
         stream, include_usage = body.stream, body.include_usage
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        context = _Deadline(self.timeout_s)
+        context = _Deadline(self.timeout_s, http[TENANT])
         generator = self.service.Generate(pb, context)
         response: web.StreamResponse | None = None
         text, final = [], None
@@ -218,7 +253,7 @@ class OpenAIApp:
 
 
 async def serve(service, address: str) -> web.AppRunner:
-    runner = web.AppRunner(OpenAIApp(service).app, access_log=None)
+    runner = web.AppRunner(OpenAIApp(service, keys=service.keys).app, access_log=None)
     await runner.setup()
     host, port = bind_address(address).rsplit(":", 1)
     await web.TCPSite(runner, host, int(port)).start()

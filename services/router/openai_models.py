@@ -4,8 +4,9 @@ Validation is strict on types (a string is not a number, `true` is not 1) and JS
 `ChatCompletionRequest.model_validate_json(body)`. Fields OpenAI clients send that Ember does
 not use (`user`, `logprobs`, `frequency_penalty`, ...) are accepted and ignored (`extra="allow"`).
 Ember's extensions (`extra_body` in the openai client): `user_region`, `session_id`, `top_k`,
-`ignore_eos`. Sizes are capped (stop strings, messages, tools, logit_bias entries, names; the
-text itself by the router, before tokenizing): ember.rpc.validate. `invalid_request` turns a
+`ignore_eos`, `cache_salt` (vLLM's: a secret salting this request's prefix cache). Sizes are
+capped (stop strings, messages, tools, logit_bias entries, names; the text itself by the router,
+before tokenizing): ember.rpc.validate. `invalid_request` turns a
 `ValidationError` into OpenAI's error fields: a message
 and `param`, the dotted path of the first offending field (`messages.0.content`, `max_tokens`).
 
@@ -91,6 +92,7 @@ class GenerationRequest(OpenAIModel):
     ignore_eos: bool = False
     user_region: Name | None = None
     session_id: Name | None = None
+    cache_salt: Name | None = None
 
     @field_validator("n")
     @classmethod

@@ -7,7 +7,12 @@ fallback); a decode stream that breaks moves to another live decode worker with 
 already sent as its output prefix and the same seed (fixed here when the client gave none), so
 it continues token for token; the client sees neither the failure nor a duplicate. Admission
 is bounded: past `router.max_inflight` a request is refused at once with RESOURCE_EXHAUSTED and
-`grpc-retry-pushback-ms`."""
+`grpc-retry-pushback-ms`.
+
+With API keys configured (services/router/auth.py) every call names a key (`authorization:
+Bearer KEY`), else UNAUTHENTICATED; the key's tenant picks the request's hash chain
+(services/router/tenants.py), so the directory lookups, placement and the cached counts a
+response shows are the tenant's own."""
 from __future__ import annotations
 
 import asyncio
@@ -29,6 +34,9 @@ from ember.rpc import logs, metrics, tracing, validate
 from ember.rpc.convert import sampling_from_pb, sampling_to_pb
 from ember.rpc.errors import RpcError, refuse
 from ember.rpc.server import remaining
+from ember.services.router import tenants
+from ember.services.router.auth import ANONYMOUS, Authenticated, KeyTable
+from ember.services.router.tenants import SharedPrefixes
 from ember.services.router.workers import Worker, WorkerPool
 from ember.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc
 
@@ -95,8 +103,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, tokenizer: Tokenizer, model_id: str, max_model_len: int, vocab_size: int,
                  placer: Placer, workers: WorkerPool, block_size: int, root_hash: bytes, directory: BlockDirectory,
                  max_inflight: int = 256, max_migrations: int = 2, retry_after_s: float = 1.0,
-                 stall_timeout_s: float = 30.0, max_text_bytes: int | None = None):
+                 stall_timeout_s: float = 30.0, max_text_bytes: int | None = None, keys: KeyTable | None = None,
+                 shared_prefixes: SharedPrefixes | None = None):
         self.tokenizer = tokenizer
+        self.keys = keys or KeyTable()  # none: nobody is asked for a key
+        self.shared_prefixes = shared_prefixes
         self.model_id = model_id
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -123,7 +134,25 @@ class RouterService(router_pb2_grpc.RouterServicer):
             self._directory_retry_at = time.monotonic() + DIRECTORY_RETRY_S
             return {}
 
+    async def _authenticate(self, context) -> str:
+        """The caller's tenant from its `authorization` metadata; UNAUTHENTICATED when keys are
+        configured and it names none of them. An in-process edge that checked the key itself (the
+        HTTP API) hands over an `Authenticated` context."""
+        if isinstance(context, Authenticated):
+            return context.tenant
+        if not self.keys.enabled:
+            return ANONYMOUS
+        header = next((v for k, v in context.invocation_metadata() or () if k == "authorization"), None)
+        tenant = self.keys.check_authorization(header)
+        if tenant is None:
+            log.info("unauthenticated call from %s: %s", context.peer(),
+                     "no API key" if header is None else "not a configured API key")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "a valid API key is required: send the metadata "
+                                "`authorization: Bearer KEY`" if header is None else "invalid API key")
+        return tenant
+
     async def ListModels(self, request, context):
+        await self._authenticate(context)
         return router_pb2.ListModelsResponse(models=[router_pb2.ModelInfo(id=self.model_id,
                                                                           context_length=self.max_model_len)])
 
@@ -178,6 +207,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         return ids
 
     async def Generate(self, request, context):
+        tenant = await self._authenticate(context)  # before anything else, admission included
         if self.inflight >= self.max_inflight:  # counted at admission: a burst cannot slip past
             metrics.REJECTED.inc()
             refuse(context, RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the router is at its admission limit "
@@ -186,14 +216,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
             return
         self.inflight += 1
         try:
-            async for msg in self._generate(request, context):
+            async for msg in self._generate(request, context, tenant):
                 yield msg
         finally:
             self.inflight -= 1
 
-    async def _generate(self, request, context):
+    async def _generate(self, request, context, tenant: str):
         received = time.perf_counter()
-        for field in ("request_id", "model", "user_region", "session_id"):
+        for field in ("request_id", "model", "user_region", "session_id", "cache_salt"):
             validate.name(getattr(request, field), field)
         if request.model and request.model != self.model_id:
             raise invalid(f"model {request.model!r} is not served here; use {self.model_id!r} (see ListModels)")
@@ -208,8 +238,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         logs.request_id.set(request_id)
         pb_params = sampling_to_pb(params)
 
-        # content addresses of the prompt's full blocks, where they are cached already, and placement
-        hashes = chain_hashes(prompt, self.block_size, self.root_hash)
+        # content addresses of the prompt's full blocks (on its tenant's chain), where they are cached
+        # already, and placement
+        salt, shared = tenants.chain(tenant, request.cache_salt, prompt, self.shared_prefixes)
+        hashes = chain_hashes(prompt, self.block_size, self.root_hash, salt=salt, shared_blocks=shared)
         looked_up = time.perf_counter()
         cached = await self._cached_blocks(hashes)
         directory_s = time.perf_counter() - looked_up
@@ -224,7 +256,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                              reason=decision.reason, estimated_queue_s=est.queue_s, estimated_prefill_s=est.prefill_s,
                              estimated_link_s=est.link_s, uncached_tokens=est.uncached_tokens,
                              cached_blocks=json.dumps(cached), directory_s=directory_s)
-        tracing.annotate(request_id=request_id, prompt_tokens=len(prompt), user_region=request.user_region)
+        tracing.annotate(request_id=request_id, prompt_tokens=len(prompt), user_region=request.user_region,
+                         tenant=tenant, shared_blocks=shared)
         placement = common_pb2.Placement(
             prefill_site=decision.prefill_site, decode_site=decision.decode_site, cached_blocks=cached,
             directory_s=directory_s, reason=decision.reason, estimated_queue_s=est.queue_s,
@@ -236,9 +269,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
             log.info("%s: %s", request_id, decision.summary())
             usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=1)
             timings = common_pb2.Timings()
-            decode_req = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=pb_params)
+            decode_req = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=pb_params,
+                                                  cache_salt=salt, shared_blocks=shared)
+            prefill_req = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=pb_params,
+                                                     block_hashes=hashes, cache_salt=salt, shared_blocks=shared)
 
-            pre = await self._prefill(prompt, hashes, request_id, pb_params, placement, est.prefill_s, context)
+            pre = await self._prefill(prefill_req, placement, est.prefill_s, context)
             emitted: list[int] = []
             if pre is not None:
                 first_at = time.perf_counter()
@@ -339,7 +375,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise unavailable("no live decode worker: every decode worker is down or still loading")
         return worker
 
-    async def _prefill(self, prompt, hashes, request_id, pb_params, placement, estimate_s: float, context):
+    async def _prefill(self, prefill_req, placement, estimate_s: float, context):
         """Prefill on a live worker of the placed site, trying the next one when a worker fails;
         None when none is left (the decode worker then prefills: decode-only fallback)."""
         site, tried = placement.prefill_site, ()
@@ -348,9 +384,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             queue[site] = queue.get(site, 0.0) + estimate_s
             worker.running += 1
             try:
-                return await self.workers.stub(worker).Prefill(
-                    prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=pb_params,
-                                               block_hashes=hashes), timeout=remaining(context))
+                return await self.workers.stub(worker).Prefill(prefill_req, timeout=remaining(context))
             except grpc.aio.AioRpcError as e:
                 if not worker_failed(e) or remaining(context) <= 0:
                     raise
@@ -362,7 +396,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 queue[site] = max(0.0, queue[site] - estimate_s)
         placement.prefill_fallback = "decode-only"
         placement.prefill_site = placement.decode_site
-        log.warning("%s: no live prefill worker at %s; the decode worker prefills", request_id, site)
+        log.warning("%s: no live prefill worker at %s; the decode worker prefills", prefill_req.request_id, site)
         return None
 
     def _finished(self, timings, usage, received: float, first_at: float, completion_tokens: int,
