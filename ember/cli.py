@@ -75,11 +75,13 @@ def cmd_generate(args) -> int:
 
 
 def _generate_remote(args) -> int:
+    import os
+
     import grpc
 
     from ember.client import RouterClient
     kwargs = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"text": args.prompt}
-    with RouterClient(args.router) as client:
+    with RouterClient(args.router, api_key=args.api_key or os.environ.get("EMBER_API_KEY")) as client:
         try:
             for msg in client.stream(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                      top_k=args.top_k, seed=args.seed, stop=args.stop, **kwargs):
@@ -179,6 +181,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--router", help="HOST:PORT of a running router; default: an in-process engine")
+    g.add_argument("--api-key", help="the router's API key (with --router; default: $EMBER_API_KEY)")
     _add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 
