@@ -156,9 +156,39 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_certs(args) -> int:
+    """A CA and every service's certificate folder for a cluster config (ember.cluster.certs).
+    Idempotent: a folder that already holds a CA is left as is unless --force (a Compose one-shot
+    job reruns on every `up`)."""
+    from ember.cluster.certs import write_cluster_certs
+    from ember.config.load import load_config
+    from ember.config.services import services
+    out = Path(args.out)
+    try:
+        config = load_config(args.config)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    names = [s.name for s in services(config)] + ["operator"]
+    if (out / "ca.crt").exists() and not args.force:
+        missing = [n for n in names if not (out / n / "tls.crt").is_file()]
+        if missing:
+            print(f"error: {out} has a CA but no certificate for {', '.join(missing)}; rerun with --force to "
+                  "make a new CA and every certificate (then restart every service)", file=sys.stderr)
+            return 1
+        print(f"{out}: certificates exist, left as is (--force makes a new CA and every certificate)")
+        return 0
+    write_cluster_certs(config, out)
+    print(f"{out}: a new CA and certificates for {', '.join(names)}")
+    if config.security.tls == "plaintext":
+        print(f"note: {args.config} says `security: {{tls: plaintext}}`, so its services will not use them")
+    return 0
+
+
 BENCHES = {"engine": "engine_bench", "disagg": "disagg_bench", "kv": "kv_bench", "agentic": "agentic_bench",
            "quality": "quality", "budget": "budget_bench", "served": "served_bench",
-           "simulate": "sim_bench", "placement": "placement_bench", "chaos": "chaos", "overload": "overload"}
+           "simulate": "sim_bench", "placement": "placement_bench", "chaos": "chaos", "overload": "overload",
+           "security": "security_bench"}
 
 
 def cmd_bench(args) -> int:
@@ -207,6 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--dest", help="GGUF path to write (default: the user cache, $EMBER_CACHE_DIR/models or "
                                   "~/.cache/ember/models)")
     f.set_defaults(func=cmd_fetch_model)
+
+    c = sub.add_parser("certs", help="write a cluster CA and one certificate folder per service of a config "
+                                     "(for `security: {tls: files}`)")
+    c.add_argument("--config", required=True, help="cluster YAML")
+    c.add_argument("--out", required=True, help="folder: OUT/ca.crt, ca.key, OUT/<service>/ca.crt, tls.crt, tls.key "
+                                                "(+ kv-mac.key for prefill and decode), OUT/operator/")
+    c.add_argument("--force", action="store_true", help="replace existing certificates (a new CA)")
+    c.set_defaults(func=cmd_certs)
 
     b = sub.add_parser("bench", help="benchmarks that write JSON")
     b.add_argument("what", choices=list(BENCHES))

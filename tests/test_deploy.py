@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import kubernetes_validate
@@ -14,7 +15,7 @@ import yaml
 
 from ember.cluster.launcher import service_commands
 from ember.config.load import config_from_dict, load_config
-from ember.config.services import service_settings, services
+from ember.config.services import security_settings, service_settings, services
 from ember.services.common import service_parser
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,6 +24,8 @@ MOUNTED = "/etc/ember/cluster.yaml"
 # Every non-Ember container, with its pinned image: nothing is skipped unexamined.
 INFRA_IMAGES = {"redis": "redis:7.0", "otel-collector": "otel/opentelemetry-collector:0.114.0",
                 "jaeger": "jaegertracing/all-in-one:1.63.0", "prometheus": "prom/prometheus:v2.55.1"}
+ONE_SHOT = {"certs"}  # Compose's job that writes every service's certificate folder before they start
+TLS_ROOT = "/etc/ember/tls"  # each service mounts only its own folder, TLS_ROOT/<name>
 
 
 @pytest.fixture(autouse=True)
@@ -72,7 +75,7 @@ def compose_model() -> dict:
 def test_compose_runs_every_service_of_the_cluster_yaml_with_its_settings():
     services_ = compose_model()["services"]
     want = expected()
-    ember = {n: s for n, s in services_.items() if n not in INFRA_IMAGES}
+    ember = {n: s for n, s in services_.items() if n not in INFRA_IMAGES and n not in ONE_SHOT}
     assert set(ember) == set(want), "Compose runs exactly the services deploy/cluster.yaml defines"
     for name, image in INFRA_IMAGES.items():
         assert services_[name]["image"] == image and "ember" not in " ".join(services_[name].get("command") or [])
@@ -126,6 +129,22 @@ def kustomized() -> list[dict]:
     return docs
 
 
+def healthcheck_argv(name: str, address: str) -> list[str]:
+    """How an internal service's health is checked in a container: mTLS with its own certificate folder."""
+    return ["python", "-m", "ember.rpc.healthcheck", "--tls-dir", f"{TLS_ROOT}/{name}", address]
+
+
+def probe_port(probe: dict, name: str) -> int:
+    """The port a probe checks: the router's native grpc probe (its public port is plaintext), or an
+    internal service's exec probe running the healthcheck with its own certificate folder."""
+    if name == "router":
+        return probe["grpc"]["port"]
+    assert "grpc" not in probe, f"{name}: a native grpc probe cannot present a client certificate"
+    argv = probe["exec"]["command"]
+    assert argv == healthcheck_argv(name, argv[-1]) and argv[-1].startswith("127.0.0.1:"), (name, argv)
+    return int(argv[-1].rsplit(":", 1)[1])
+
+
 def test_kubernetes_manifests_are_schema_valid():
     docs = kustomized()
     for doc in docs:
@@ -163,7 +182,7 @@ def test_kubernetes_runs_every_service_of_the_same_yaml_with_its_settings():
         assert settings == want[name], f"{name}: Kubernetes gives it other settings than the YAML"
         assert {"name": "EMBER_BIND_HOST", "value": "0.0.0.0"} in container["env"]
         port = int(settings["listen"].rsplit(":", 1)[1])
-        assert container["readinessProbe"]["grpc"]["port"] == port and settings["listen"].split(":")[0] == name
+        assert probe_port(container["readinessProbe"], name) == port and settings["listen"].split(":")[0] == name
         assert "initContainers" not in spec, f"{name}: the model is baked into the image, no pod fetches it"
         assert not any("emptyDir" in v for v in spec["volumes"])
 
@@ -171,7 +190,7 @@ def test_kubernetes_runs_every_service_of_the_same_yaml_with_its_settings():
 # -- the three agree ----------------------------------------------------------------------
 def test_ember_up_compose_and_kubernetes_give_each_service_the_same_settings(tmp_path):
     compose = {n: settings_of(s["command"], CLUSTER_YAML)[1] for n, s in compose_model()["services"].items()
-               if n not in INFRA_IMAGES}
+               if n not in INFRA_IMAGES and n not in ONE_SHOT}
     k8s = {d["metadata"]["name"]: settings_of(d["spec"]["template"]["spec"]["containers"][0]["command"],
                                               CLUSTER_YAML)[1]
            for d in kustomized() if d["kind"] == "Deployment" and d["metadata"]["name"] != "redis"}
@@ -204,3 +223,144 @@ def test_the_image_bakes_the_default_model_the_container_config_names(baked_mode
     dockerfile = (ROOT / "Dockerfile").read_text()
     assert "ember fetch-model" in dockerfile and "pip install" in dockerfile
     assert str(config().model_path()).startswith(baked_model_cache + "/models/")
+
+
+# -- security: mTLS certificates, one folder per service ------------------------------------
+def test_the_container_config_uses_mounted_certificates_one_folder_per_service():
+    c = config()
+    assert c.security.tls == "files"
+    for svc in services(c):
+        assert security_settings(c, svc.name, env={}).tls_dir == f"{TLS_ROOT}/{svc.name}"
+
+
+def tls_mounts(volumes: list[dict], certs_volume: str) -> list[dict]:
+    return [v for v in volumes if v.get("source") == certs_volume or v["target"].startswith(TLS_ROOT)]
+
+
+def test_compose_certs_job_runs_first_and_each_service_mounts_only_its_own_folder():
+    model = compose_model()
+    services_ = model["services"]
+    job = services_["certs"]
+    assert job["image"] == "ember:latest" and job.get("restart") == "no"
+    assert job["command"][:2] == ["ember", "certs"]
+    args = dict(zip(job["command"][2::2], job["command"][3::2]))
+    assert args == {"--config": MOUNTED, "--out": args["--out"]} and "--force" not in job["command"]
+    [out] = [v for v in job["volumes"] if v["target"] == args["--out"]]
+    assert out["type"] == "volume" and out["source"] in model["volumes"] and not out.get("read_only")
+    certs_volume = out["source"]
+    ember = {n: s for n, s in services_.items() if n not in INFRA_IMAGES and n not in ONE_SHOT}
+    assert set(ember) == set(expected())
+    for name, svc in ember.items():
+        assert svc["depends_on"]["certs"]["condition"] == "service_completed_successfully", name
+        [mount] = tls_mounts(svc["volumes"], certs_volume)  # exactly one: its own folder, nobody else's
+        assert mount == {"type": "volume", "source": certs_volume, "target": f"{TLS_ROOT}/{name}",
+                         "read_only": True, "volume": {"subpath": name}}, name
+        test = svc["healthcheck"]["test"]
+        if name == "router":  # its public port: plaintext (API keys), no certificate needed
+            assert test[1:] == ["python", "-m", "ember.rpc.healthcheck", "--plaintext", config().router.listen]
+        else:
+            assert test[1:] == healthcheck_argv(name, expected()[name]["listen"]), name
+    for name, svc in services_.items():  # the volume root (ca.key) is the job's alone
+        if name not in ember and name != "certs":
+            assert not tls_mounts(svc.get("volumes") or [], certs_volume), name
+
+
+def test_kubernetes_pods_mount_only_their_own_certificate_secret():
+    docs = kustomized()
+    assert not [d for d in docs if d["kind"] == "Secret"], "no key material ships in the repo"
+    assert "secretGenerator" not in yaml.safe_load((ROOT / "deploy" / "kustomization.yaml").read_text())
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    want = expected()
+    for name in want:
+        spec = deployments[name]["spec"]["template"]["spec"]
+        secrets = [v for v in spec["volumes"] if "secret" in v]
+        assert [v["secret"]["secretName"] for v in secrets] == [f"ember-tls-{name}"], name
+        [container] = spec["containers"]
+        mounts = [m for m in container["volumeMounts"] if m["name"] == secrets[0]["name"]
+                  or m["mountPath"].startswith(TLS_ROOT)]
+        assert mounts == [{"name": secrets[0]["name"], "mountPath": f"{TLS_ROOT}/{name}", "readOnly": True}], name
+        port = int(want[name]["listen"].rsplit(":", 1)[1])
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert probe_port(container[probe], name) == port, (name, probe)
+    for d in deployments.values():  # nobody else (redis) holds an Ember certificate
+        if d["metadata"]["name"] not in want:
+            assert not any("secret" in v for v in d["spec"]["template"]["spec"].get("volumes", [])), d
+
+
+def _files(folder: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(f.relative_to(folder)): (f.read_bytes(), f.stat().st_mtime_ns) for f in sorted(folder.rglob("*"))
+            if f.is_file()}
+
+
+def ember_certs(out: Path, *flags: str) -> subprocess.CompletedProcess:
+    proc = subprocess.run([sys.executable, "-m", "ember.cli", "certs", "--config", str(CLUSTER_YAML), "--out",
+                           str(out), *flags], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_ember_certs_writes_a_folder_per_service_that_verifies_and_names_it(tmp_path):
+    from cryptography import x509
+
+    from ember.rpc.security import Credentials, Identity
+    out = tmp_path / "certs"
+    ember_certs(out)
+    ca = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
+    assert (out / "ca.key").stat().st_mode & 0o077 == 0
+    compose_names = set(compose_model()["services"])
+    k8s_services = {d["metadata"]["name"] for d in kustomized() if d["kind"] == "Service"}
+    c = config()
+    macs = set()
+    for svc in [*services(c), None]:
+        name, identity = (svc.name, Identity(svc.role, svc.site)) if svc else ("operator", Identity("operator"))
+        folder = out / name
+        creds = Credentials.load(folder)
+        assert creds.identity == identity, name
+        assert creds.ca_pem == (out / "ca.crt").read_bytes()
+        cert = x509.load_pem_x509_certificate(creds.cert_pem)
+        cert.verify_directly_issued_by(ca)
+        assert (folder / "tls.key").stat().st_mode & 0o077 == 0 and not (folder / "ca.key").exists()
+        if svc is None:
+            continue
+        dns = set(cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+                  .get_values_for_type(x509.DNSName))
+        assert name in compose_names and name in k8s_services and name in dns, (name, dns)
+        hosts = {a.rsplit(":", 1)[0] for a in (svc.address, c.site(svc.site).kvstore_data if svc.role == "kvstore"
+                                                else None) if a}
+        assert hosts <= dns, (name, hosts, dns)  # the host names its peers dial (and verify)
+        assert (creds.mac_key is not None) == (svc.role in ("prefill", "decode")), name
+        if creds.mac_key is not None:
+            macs.add(creds.mac_key)
+    assert len(macs) == 1 and len(macs.pop()) >= 32, "one KV MAC secret, shared by the KV producers only"
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted([*expected(), "operator"])
+
+    before = _files(out)
+    again = ember_certs(out)  # Compose's job reruns on every `up`: it must not rotate anything
+    assert "left as is" in again.stdout and _files(out) == before
+    ember_certs(out, "--force")
+    assert (out / "ca.crt").read_bytes() != before["ca.crt"][0], "--force makes a new CA"
+    assert Credentials.load(out / "router").ca_pem == (out / "ca.crt").read_bytes()
+
+
+def test_healthcheck_with_its_own_folder_passes_an_mtls_port_and_plaintext_does_not(tmp_path):
+    """What the container probes run: the service's own folder, dialing 127.0.0.1 (its SANs include it)."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2_grpc
+
+    from ember.rpc import healthcheck
+    from ember.rpc.security import Credentials
+    ember_certs(tmp_path)
+    creds = Credentials.load(tmp_path / "kvstore-central")
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(health.HealthServicer(), server)
+    port = server.add_secure_port("127.0.0.1:0", creds.server_credentials())
+    server.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        assert healthcheck.main(["--tls-dir", str(tmp_path / "kvstore-central"), address]) == 0
+        assert healthcheck.main(["--plaintext", address]) == 1
+        assert healthcheck.main(["--tls-dir", str(tmp_path / "nowhere"), address]) == 1
+    finally:
+        server.stop(0)
