@@ -6,7 +6,7 @@ from pathlib import Path
 from ember.cluster.ports import free_port, write_local_config
 from ember.model.fetch import DEFAULT_MODEL_PATH
 
-__all__ = ["free_port", "write_config"]
+__all__ = ["dial", "free_port", "write_config"]
 
 
 def write_config(path: Path, directory: str | None = None, shared_memory: bool = True, **engine) -> dict[str, str]:
@@ -16,3 +16,12 @@ def write_config(path: Path, directory: str | None = None, shared_memory: bool =
     engine.setdefault("weights", "dense")
     return write_local_config(path, str(DEFAULT_MODEL_PATH), directory=directory, shared_memory=shared_memory,
                               **engine)
+
+
+def dial(cluster: dict, key: str, as_service: str = "operator", options=None):
+    """A blocking channel to `cluster[key]` (an internal service of a test cluster) holding the
+    certificate of `as_service` from the run folder (`operator`, `router`, `prefill-central`, ...):
+    mTLS as the cluster's own services use it, plaintext when the cluster runs plaintext."""
+    from ember.cluster.launcher import credentials
+    from ember.rpc import security
+    return security.dial(cluster[key], credentials(Path(cluster["config"]).parent, as_service), options)

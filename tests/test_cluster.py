@@ -8,6 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import replace
+from pathlib import Path
 
 import grpc
 import pytest
@@ -21,7 +22,7 @@ from ember.kv.block_hash import chain_hashes
 from ember.kv.chunks import split
 from ember.rpc.server import CHANNEL_OPTIONS
 from ember.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
-from tests.cluster_fixture import free_port, write_config
+from tests.cluster_fixture import dial, free_port, write_config
 from tests.conftest import LONG_TEXT, PROMPTS
 
 
@@ -39,13 +40,13 @@ def client(cluster):
         yield c
 
 
-def kv_stats(address: str) -> kvstore_pb2.StatsResponse:
-    with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+def kv_stats(cluster: dict, key: str) -> kvstore_pb2.StatsResponse:
+    with dial(cluster, key, options=CHANNEL_OPTIONS) as ch:
         return kvstore_pb2_grpc.KVStoreStub(ch).Stats(kvstore_pb2.StatsRequest(), timeout=10)
 
 
-def decode_stats(address: str) -> decode_pb2.DecodeStatsResponse:
-    with grpc.insecure_channel(address) as ch:
+def decode_stats(cluster: dict, key: str = "decode") -> decode_pb2.DecodeStatsResponse:
+    with dial(cluster, key) as ch:
         return decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.DecodeStatsRequest(), timeout=10)
 
 
@@ -86,12 +87,12 @@ def test_16_concurrent_streams_are_all_correct(client, engine):
 
 def test_second_turn_moves_only_new_blocks(client, cluster, engine):
     turn1 = engine.tokenizer.encode(LONG_TEXT[:1600] + "\nQ: How many boats?")
-    before, decode_before = kv_stats(cluster["kv_edge"]), decode_stats(cluster["decode"])
+    before, decode_before = kv_stats(cluster, "kv_edge"), decode_stats(cluster)
     first = client.complete(token_ids=turn1, max_tokens=8, ignore_eos=True, timeout=120)
-    mid = kv_stats(cluster["kv_edge"])
+    mid = kv_stats(cluster, "kv_edge")
     turn2 = turn1 + first.token_ids + engine.tokenizer.encode("\nQ: And what rose higher than anyone remembered?")
     second = client.complete(token_ids=turn2, max_tokens=8, ignore_eos=True, timeout=120)
-    after = kv_stats(cluster["kv_edge"])
+    after = kv_stats(cluster, "kv_edge")
     block_bytes = wire.frame_bytes(16 * 46080)  # fp32 KV + the frame header
     assert mid.blocks_pulled - before.blocks_pulled == len(turn1) // 16
     # Turn 2 needs its new full blocks. The first of them (turn 1's tail + its answer) was
@@ -105,7 +106,7 @@ def test_second_turn_moves_only_new_blocks(client, cluster, engine):
     [want] = engine.generate([turn2], SamplingParams(max_tokens=8, ignore_eos=True))
     assert second.token_ids == want.token_ids
     # same host: decode read every pulled frame straight out of its kvstore's shared arena
-    decode_after = decode_stats(cluster["decode"])
+    decode_after = decode_stats(cluster)
     assert decode_after.blocks_shared_memory - decode_before.blocks_shared_memory == after.blocks_pulled - \
         before.blocks_pulled
     assert decode_after.blocks_grpc == decode_before.blocks_grpc
@@ -171,7 +172,7 @@ def test_the_clients_deadline_reaches_prefill_and_decode_and_ends_the_stream_the
                            request_id="deadline-1", timeout=timeout_s))
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - start < timeout_s + 1
-    wait_for_idle_decode(cluster["decode"], timeout_s=2)
+    wait_for_idle_decode(cluster, timeout_s=2)
     [prefill] = spans_of(cluster, "deadline-1", "prefill")
     [decode] = spans_of(cluster, "deadline-1", "decode")
     got_prefill, got_decode = prefill["attributes"]["ember.deadline_s"], decode["attributes"]["ember.deadline_s"]
@@ -194,21 +195,21 @@ def test_client_cancel_mid_stream_aborts_the_sequence_at_decode_at_once(client, 
         got += len(msg.token_ids)
         if got >= 5:
             break
-    busy = decode_stats(cluster["decode"])
+    busy = decode_stats(cluster)
     assert busy.running == 1 and busy.used_blocks > 0
     cancelled_at = time.monotonic()
     stream.cancel()
-    wait_for_idle_decode(cluster["decode"], timeout_s=2)  # sequence and blocks freed
+    wait_for_idle_decode(cluster, timeout_s=2)  # sequence and blocks freed
     assert time.monotonic() - cancelled_at < 2
     [decode] = spans_of(cluster, "cancel-1", "decode")
     assert decode["attributes"]["ember.aborted"] == "cancelled" and decode["attributes"]["ember.tokens_sent"] < 2000
     assert aborted(cluster, "cancelled") - before == 1
 
 
-def wait_for_idle_decode(address: str, timeout_s: float = 20) -> None:
+def wait_for_idle_decode(cluster: dict, timeout_s: float = 20) -> None:
     deadline = time.monotonic() + timeout_s
     while True:
-        s = decode_stats(address)
+        s = decode_stats(cluster)
         if s.running == 0 and s.waiting == 0 and s.used_blocks == 0:
             return
         assert time.monotonic() < deadline, f"decode did not return to idle within {timeout_s} s: {s}"
@@ -220,14 +221,14 @@ def test_decode_refuses_a_block_made_for_another_model_imports_nothing_and_recom
     hashes = chain_hashes(ids, 16, engine.block_manager.root_hash)[:2]
     foreign = replace(engine.frame_template, root_hash=b"\x99" * 16)  # same shapes, another model
     frames = [(h, wire.encode_frame(foreign, h, bytes(engine.layout.block_bytes))) for h in hashes]
-    with grpc.insecure_channel(cluster["kv_edge"], options=CHANNEL_OPTIONS) as ch:
+    with dial(cluster, "kv_edge", "prefill-central", options=CHANNEL_OPTIONS) as ch:  # a KV producer's certificate
         chunks = (kvstore_pb2.BlockChunk(block_hash=h, block_bytes=n, offset=o, data=d) for h, n, o, d in split(frames))
         assert kvstore_pb2_grpc.KVStoreStub(ch).Put(chunks, timeout=30).blocks_stored == 2  # bytes to the store
-    before = decode_stats(cluster["decode"])
+    before = decode_stats(cluster)
     request = decode_pb2.DecodeRequest(request_id="forged", prompt_token_ids=ids, first_token=5, block_hashes=hashes,
                                        source_kvstore=cluster["kv_central"],
                                        sampling=common_pb2.SamplingParams(max_tokens=4))
-    with grpc.insecure_channel(cluster["decode"]) as ch:  # kvstore.on_transfer_failure: recompute (the default)
+    with dial(cluster, "decode", "router") as ch:  # kvstore.on_transfer_failure: recompute (the default)
         out = list(decode_pb2_grpc.DecodeStub(ch).Decode(request, timeout=60))
     rid = engine.add_request(ids, SamplingParams(max_tokens=4), output_prefix=[5])  # the same forced first token
     want = []
@@ -235,9 +236,9 @@ def test_decode_refuses_a_block_made_for_another_model_imports_nothing_and_recom
         want += [t for o in engine.step() if o.request_id == rid for t in o.new_token_ids]
     assert [t for m in out for t in m.token_ids] == want, "the foreign blocks were refused, the prompt computed"
     assert out[0].recomputed_tokens == len(ids) + 1 and out[0].blocks_pulled == 0
-    after = decode_stats(cluster["decode"])
+    after = decode_stats(cluster)
     assert after.used_blocks == before.used_blocks == 0 and after.running == 0
-    assert kv_stats(cluster["kv_edge"]).leases == 0, "the lease was released on the error path"
+    assert kv_stats(cluster, "kv_edge").leases == 0, "the lease was released on the error path"
 
 
 def test_decode_refuses_token_ids_outside_the_vocabulary(cluster, engine):
@@ -245,25 +246,33 @@ def test_decode_refuses_token_ids_outside_the_vocabulary(cluster, engine):
     ids, vocab = engine.tokenizer.encode("hello there"), engine.loaded.args.vocab_size
     bad = [dict(prompt_token_ids=ids, first_token=vocab), dict(prompt_token_ids=ids, output_prefix=[5, vocab + 7]),
            dict(prompt_token_ids=ids[:1] + [vocab], first_token=5)]
-    with grpc.insecure_channel(cluster["decode"]) as ch:
+    with dial(cluster, "decode", "router") as ch:
         for fields in bad:
             request = decode_pb2.DecodeRequest(request_id="bad-token", sampling=common_pb2.SamplingParams(max_tokens=4),
                                                **fields)
             with pytest.raises(grpc.RpcError) as e:
                 list(decode_pb2_grpc.DecodeStub(ch).Decode(request, timeout=30))
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and str(vocab) in e.value.details(), fields
-    assert decode_stats(cluster["decode"]).running == 0
+    assert decode_stats(cluster).running == 0
 
 
-def test_pull_from_a_dead_peer_is_unavailable_not_a_hang(cluster):
-    dead = f"127.0.0.1:{free_port()}"
-    start = time.monotonic()
-    with grpc.insecure_channel(cluster["kv_edge"]) as ch:
-        with pytest.raises(grpc.RpcError) as e:
-            kvstore_pb2_grpc.KVStoreStub(ch).Pull(
-                kvstore_pb2.PullRequest(block_hashes=[b"\x01" * 16], source=dead), timeout=20)
-    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert time.monotonic() - start < 15
+def test_a_pull_naming_a_source_outside_the_config_is_refused_and_never_dialled(cluster):
+    """A kvstore dials only the kvstores its config names: a Pull whose source is any other
+    address is PERMISSION_DENIED, and that address sees no connection at all."""
+    import socket
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(4)
+        listener.setblocking(False)
+        elsewhere = f"127.0.0.1:{listener.getsockname()[1]}"
+        with dial(cluster, "kv_edge", "decode-edge") as ch:  # the engine that may ask for pulls
+            with pytest.raises(grpc.RpcError) as e:
+                kvstore_pb2_grpc.KVStoreStub(ch).Pull(
+                    kvstore_pb2.PullRequest(block_hashes=[b"\x01" * 16], source=elsewhere, lease_s=5), timeout=20)
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED and "not a kvstore" in e.value.details()
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody ever connected
+    assert kv_stats(cluster, "kv_edge").leases == 0
 
 
 def test_concurrent_streams_survive_one_cancel(client, engine):
@@ -282,12 +291,15 @@ def test_concurrent_streams_survive_one_cancel(client, engine):
 
 
 @contextmanager
-def router_process(config_path, address: str):
-    """A lone router process on `config_path`, serving at `address`; killed afterwards."""
+def router_process(config_path, address: str, tls_dir: Path):
+    """A lone router process on `config_path` holding the router certificate in `tls_dir`,
+    serving at `address`; killed afterwards."""
+    import os
     log = config_path.with_suffix(".log")
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "ember.services.router", "--config", str(config_path)],
-                                cwd=config_path.parent, stdout=out, stderr=subprocess.STDOUT)
+                                cwd=config_path.parent, stdout=out, stderr=subprocess.STDOUT,
+                                env={**os.environ, "EMBER_TLS_DIR": str(tls_dir)})
     try:
         wait_serving(address, time.monotonic() + 60, proc, log)
         yield proc
@@ -298,8 +310,11 @@ def router_process(config_path, address: str):
 
 
 def test_router_with_a_dead_prefill_answers_unavailable_not_a_hang(tmp_path, model_path):
+    from ember.cluster.certs import write_cluster_certs
+    from ember.config.load import load_config
     addr = write_config(tmp_path / "cluster.yaml")  # only the router runs: its peers are dead ports
-    with router_process(tmp_path / "cluster.yaml", addr["router"]):
+    write_cluster_certs(load_config(tmp_path / "cluster.yaml"), tmp_path / "certs")
+    with router_process(tmp_path / "cluster.yaml", addr["router"], tmp_path / "certs" / "router"):
         start = time.monotonic()
         with RouterClient(addr["router"]) as c, pytest.raises(grpc.RpcError) as e:
             list(c.stream(text="hello", max_tokens=4, timeout=30))
@@ -312,11 +327,13 @@ def test_sigterm_drains_the_router(cluster, tmp_path, engine):
     stream runs to completion with the undisturbed tokens; exit 0 (tests/test_drain.py: the others)."""
     from tests.test_drain import drain
     config = yaml.safe_load(open(cluster["config"]))
-    config["router"] = {"listen": f"127.0.0.1:{free_port()}"}  # a second router in front of the same cluster
+    config["router"] = {"listen": f"127.0.0.1:{free_port()}",  # a second router in front of the same cluster
+                        "internal": f"127.0.0.1:{free_port()}"}
     (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(config))  # (no HTTP: the first one holds its port)
     address = config["router"]["listen"]
     ids = engine.tokenizer.encode(PROMPTS[2])
-    with router_process(tmp_path / "cluster.yaml", address) as proc, RouterClient(address) as c:
+    certs = Path(cluster["config"]).parent / "certs" / "router"  # the cluster's router certificate
+    with router_process(tmp_path / "cluster.yaml", address, certs) as proc, RouterClient(address) as c:
         def probe():  # a new call, answered by the router itself (no tokens spent)
             try:
                 c.complete(text="", max_tokens=4, timeout=5)
@@ -327,7 +344,7 @@ def test_sigterm_drains_the_router(cluster, tmp_path, engine):
         tokens = list(next(stream).token_ids)
         with ThreadPoolExecutor(1) as pool:
             in_flight = pool.submit(lambda: [msg for msg in stream])
-            print(drain(proc, address, in_flight, probe))
+            print(drain(proc, address, in_flight, probe, public=True))
             rest = in_flight.result()
     tokens += [t for msg in rest for t in msg.token_ids]
     assert len(tokens) == 40 and rest[-1].finished, "the in-flight stream ran to completion"

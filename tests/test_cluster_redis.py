@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import grpc
 import pytest
 
 from ember.client import RouterClient
@@ -14,7 +13,7 @@ from ember.engine.sampling_params import SamplingParams
 from ember.kv.block_hash import chain_hashes
 from ember.kv.directory import RedisDirectory
 from ember.v1 import decode_pb2, decode_pb2_grpc
-from tests.cluster_fixture import free_port, write_config
+from tests.cluster_fixture import dial, free_port, write_config
 from tests.conftest import LONG_TEXT
 from tests.redis_fixture import RedisServer
 
@@ -26,7 +25,7 @@ def redis_cluster(tmp_path_factory, model_path):
     addr = write_config(run_dir / "cluster.yaml", directory=redis.url, shared_memory=False)
     try:
         with running(run_dir / "cluster.yaml", run_dir, timeout_s=240):
-            yield addr, redis
+            yield addr | {"config": str(run_dir / "cluster.yaml")}, redis
     finally:
         redis.stop()
 
@@ -81,6 +80,6 @@ def test_without_shared_memory_decode_streams_frames_over_grpc_and_tokens_match(
         out = client.complete(token_ids=ids, max_tokens=6, timeout=120)
     [want] = engine.generate([ids], SamplingParams(max_tokens=6))
     assert out.token_ids == want.token_ids
-    with grpc.insecure_channel(addr["decode"]) as ch:
+    with dial(addr, "decode") as ch:
         stats = decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.DecodeStatsRequest(), timeout=10)
     assert stats.blocks_grpc >= len(ids) // 16 and stats.blocks_shared_memory == 0

@@ -22,7 +22,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ember.cluster.launcher import service_commands, wait_serving
+from ember.cluster.launcher import credentials, service_commands, tls_env, wait_serving
 from ember.config.load import load_config
 from ember.rpc.server import CHANNEL_OPTIONS, Server
 from ember.v1 import (
@@ -41,9 +41,20 @@ NOTICE_S = Server.DRAIN_NOTICE_S
 EXIT_S = 20  # SIGTERM to exit: the notice, the in-flight calls' end, the engine core's shutdown
 
 
-def health(address: str, timeout_s: float = 0.5) -> int | None:
+CERTS: dict[str, Path] = {}  # service name -> its certificate folder (the module's cluster)
+
+
+def dial(address: str, as_service: str | None = "operator", options=None) -> grpc.Channel:
+    """mTLS to a service of the module's cluster with `as_service`'s certificate (None: plaintext,
+    a router's public port)."""
+    from ember.rpc import security
+    return security.dial(address, None if as_service is None else security.Credentials.load(CERTS[as_service]),
+                         options)
+
+
+def health(address: str, timeout_s: float = 0.5, as_service: str | None = "operator") -> int | None:
     """The server's overall health status, or None when it does not answer."""
-    with grpc.insecure_channel(address) as ch:
+    with dial(address, as_service) as ch:
         try:
             return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s).status
         except grpc.RpcError:
@@ -69,18 +80,20 @@ def refused(call: Callable[[], object]) -> grpc.StatusCode | None:
 
 
 def drain(proc: subprocess.Popen, address: str, in_flight: Future, probe: Callable[[], object],
-          router_sees: Callable[[], bool] | None = None, finish: Callable[[], None] | None = None
-          ) -> dict[str, float]:
+          router_sees: Callable[[], bool] | None = None, finish: Callable[[], None] | None = None,
+          public: bool = False) -> dict[str, float]:
     """SIGTERM `proc` while `in_flight` runs and check the drain: NOT_SERVING at once, `probe` (a new
     call) still served during the notice and refused after it while `in_flight` still runs, and
     exit 0. With `router_sees`: the router counted the worker down before any call was refused.
+    `public`: `address` is a router's public (plaintext) port.
     `finish` lets the in-flight call end (once the refusal is seen). Returns the seconds from the
     signal to each event."""
-    assert not in_flight.done() and health(address) == SERVING
+    caller = None if public else "operator"
+    assert not in_flight.done() and health(address, as_service=caller) == SERVING
     assert refused(probe) is None
     start = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    wait_until(lambda: health(address) == NOT_SERVING, 5, "health NOT_SERVING after SIGTERM")
+    wait_until(lambda: health(address, as_service=caller) == NOT_SERVING, 5, "health NOT_SERVING after SIGTERM")
     at = {"not_serving_s": time.monotonic() - start}
     assert refused(probe) is None, "still serving during the drain notice"
     at["served_in_notice_s"] = time.monotonic() - start
@@ -109,6 +122,9 @@ class Cluster:
         self.run_dir = run_dir
         self.config = load_config(run_dir / "cluster.yaml")
         self.commands = service_commands(self.config, run_dir / "cluster.yaml", run_dir)
+        from ember.cluster.certs import write_cluster_certs
+        write_cluster_certs(self.config, run_dir / "certs")  # as `ember up` does (tls: auto)
+        CERTS.update({p.name: p for p in (run_dir / "certs").iterdir() if p.is_dir()})
         self.procs: dict[str, subprocess.Popen] = {}
         self.startup: dict[str, list[tuple[float, int | None, str]]] = {}  # name -> (s, health, probe)
 
@@ -129,13 +145,15 @@ class Cluster:
         for name, (argv, _) in self.commands.items():
             with open(self.run_dir / f"{name}.log", "ab") as log:
                 self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.run_dir,
-                                                    env=env, start_new_session=True)
+                                                    env={**env, **tls_env(self.config, self.run_dir, name)},
+                                                    start_new_session=True)
             if name.startswith(("prefill", "decode")):
                 watchers.append(threading.Thread(target=self._watch_startup, args=(name, timeout_s), daemon=True))
                 watchers[-1].start()
         deadline = time.monotonic() + timeout_s
         for name, (_, address) in self.commands.items():
-            wait_serving(address, deadline, self.procs[name], self.run_dir / f"{name}.log")
+            wait_serving(address, deadline, self.procs[name], self.run_dir / f"{name}.log",
+                         None if name == "router" else credentials(self.run_dir))
         for w in watchers:
             w.join(timeout=10)
 
@@ -143,7 +161,7 @@ class Cluster:
         """Poll a starting engine worker's health, and a real call to it, until it is SERVING."""
         start, seen = time.monotonic(), self.startup.setdefault(name, [])
         address = self.address(name)
-        with grpc.insecure_channel(address) as ch:
+        with dial(address, "router") as ch:
             if name.startswith("decode"):
                 def call():
                     decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.DecodeStatsRequest(), timeout=2)
@@ -235,14 +253,14 @@ def test_sigterm_drains_decode(cluster):
     def stream() -> list[decode_pb2.DecodeResponse]:
         request = decode_pb2.DecodeRequest(request_id="drain-decode", prompt_token_ids=ids, prefill_here=True,
                                            sampling=common_pb2.SamplingParams(max_tokens=50, ignore_eos=True))
-        with grpc.insecure_channel(address) as ch:
+        with dial(address, "router") as ch:
             messages = decode_pb2_grpc.DecodeStub(ch).Decode(request, timeout=60)
             out = [next(messages)]
             first.set_result(True)
             return out + list(messages)
 
     def probe():
-        with grpc.insecure_channel(address) as ch:
+        with dial(address, "router") as ch:
             decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.DecodeStatsRequest(), timeout=2)
     first: Future = Future()
     with ThreadPoolExecutor(1) as pool:
@@ -259,13 +277,13 @@ def test_sigterm_drains_prefill(cluster):
     prompts = [[100 + (i * 7919 + j * 31) % 40000 for j in range(512)] for i in range(2)]  # uncached
 
     def prefill(i: int) -> prefill_pb2.PrefillResponse:
-        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+        with dial(address, "router", options=CHANNEL_OPTIONS) as ch:
             return prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
                 request_id=f"drain-prefill-{i}", token_ids=prompts[i],
                 sampling=common_pb2.SamplingParams(max_tokens=8)), timeout=120)
 
     def probe():  # a call answered by the handler itself, ahead of the busy engine
-        with grpc.insecure_channel(address) as ch:
+        with dial(address, "router") as ch:
             try:
                 prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
                     request_id="drain-probe", token_ids=list(range(1, 17)), block_hashes=[b"x" * 16],
@@ -303,7 +321,7 @@ def test_sigterm_drains_a_kvstore(cluster, name):
     release = threading.Event()
 
     def stats() -> kvstore_pb2.StatsResponse:
-        with grpc.insecure_channel(address) as ch:
+        with dial(address) as ch:
             return kvstore_pb2_grpc.KVStoreStub(ch).Stats(kvstore_pb2.StatsRequest(), timeout=2)
 
     def put() -> kvstore_pb2.PutResponse:
@@ -311,7 +329,7 @@ def test_sigterm_drains_a_kvstore(cluster, name):
             yield from chunks[:1]
             release.wait(timeout=60)
             yield from chunks[1:]
-        with grpc.insecure_channel(address, options=CHANNEL_OPTIONS) as ch:
+        with dial(address, "prefill-central", options=CHANNEL_OPTIONS) as ch:  # a KV producer
             return kvstore_pb2_grpc.KVStoreStub(ch).Put(held(), timeout=60)
     before = stats().blocks_put
     with ThreadPoolExecutor(1) as pool:

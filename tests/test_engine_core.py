@@ -252,7 +252,7 @@ def test_a_killed_engine_core_makes_its_service_not_serving_and_streams_unavaila
 
     from ember.client import RouterClient
     from ember.cluster.launcher import running
-    from tests.cluster_fixture import write_config
+    from tests.cluster_fixture import dial, write_config
     addr = write_config(tmp_path / "cluster.yaml")
     with running(tmp_path / "cluster.yaml", tmp_path, timeout_s=240), RouterClient(addr["router"]) as client:
         [decode] = [p for p in psutil.process_iter(["cmdline"]) if "ember.services.decode" in (p.info["cmdline"] or [])
@@ -266,7 +266,7 @@ def test_a_killed_engine_core_makes_its_service_not_serving_and_streams_unavaila
             for _ in stream:
                 pass
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - killed < 2.0
-        with grpc.insecure_channel(addr["decode"]) as ch:
+        with dial(addr | {"config": str(tmp_path / "cluster.yaml")}, "decode") as ch:
             deadline = time.monotonic() + 2
             while (status := health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status) \
                     != health_pb2.HealthCheckResponse.NOT_SERVING:

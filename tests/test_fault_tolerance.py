@@ -5,6 +5,7 @@ and, with both prefill workers dead, to the decode site. Admission past the rout
 refused at once with pushback."""
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -144,7 +145,8 @@ def test_past_the_admission_limit_requests_are_refused_at_once_with_pushback(ha,
     (tmp_path / "router.yaml").write_text(yaml.safe_dump(data))
     log = tmp_path / "router.log"
     proc = subprocess.Popen([*ha.services["router"]["argv"][:3], "--config", str(tmp_path / "router.yaml")],
-                            stdout=open(log, "wb"), stderr=subprocess.STDOUT)
+                            stdout=open(log, "wb"), stderr=subprocess.STDOUT,
+                            env={**os.environ, **ha.services["router"]["env"]})  # the router's certificate
     router = data["router"]["listen"]
     ids = prompts(engine.tokenizer)[:1]
     try:

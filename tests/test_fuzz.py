@@ -28,6 +28,7 @@ from ember.kv.block_hash import chain_hashes, root_hash
 from ember.model.tokenizer import Tokenizer
 from ember.rpc.server import CHANNEL_OPTIONS
 from ember.v1 import decode_pb2, directory_pb2, kvstore_pb2, prefill_pb2, router_pb2
+from tests.cluster_fixture import dial
 from tests.conftest import PROMPTS
 from tests.test_cluster import cluster  # noqa: F401 - the module's own real cluster
 
@@ -35,12 +36,15 @@ FUZZ_EXAMPLES = int(os.environ.get("EMBER_FUZZ_EXAMPLES", "200"))
 CALL_TIMEOUT_S = 5.0
 STREAM_MESSAGES = 3  # read this many messages of a streamed answer, then cancel
 FORBIDDEN = (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
-SERVICES = [(router_pb2, "Router", "router"), (directory_pb2, "BlockDirectory", "router"),
+SERVICES = [(router_pb2, "Router", "router"), (directory_pb2, "BlockDirectory", "router_internal"),
             (prefill_pb2, "Prefill", "prefill"), (decode_pb2, "Decode", "decode"),
             (kvstore_pb2, "KVStore", "kv_edge")]
 METHODS = [(module.DESCRIPTOR.services_by_name[name], method, where)
            for module, name, where in SERVICES for method in module.DESCRIPTOR.services_by_name[name].methods]
 HEALTH_OF = ("router", "prefill", "decode", "kv_central", "kv_edge")
+# whose certificate each channel holds: the role allowed the most of that service's methods
+CALLER = {"router_internal": "kvstore-central", "prefill": "router", "decode": "router",
+          "kv_central": "prefill-central", "kv_edge": "decode-edge"}
 FUZZ_SETTINGS = settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=False,
                          suppress_health_check=list(HealthCheck))
 
@@ -169,7 +173,8 @@ def canary(cluster):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def channels(cluster):  # noqa: F811
-    chans = {k: grpc.insecure_channel(cluster[k], options=CHANNEL_OPTIONS) for k in HEALTH_OF}
+    chans = {k: grpc.insecure_channel(cluster[k], options=CHANNEL_OPTIONS) if k == "router" else  # the public API
+             dial(cluster, k, CALLER[k], options=CHANNEL_OPTIONS) for k in HEALTH_OF + ("router_internal",)}
     yield chans
     for ch in chans.values():
         ch.close()

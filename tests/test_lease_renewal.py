@@ -61,7 +61,8 @@ class Sites:
             "router": {"listen": addr()},  # no router runs: the stores' directory publishing just retries
             "sites": [{"name": "central", "kvstore": self.central, "kvstore_data": self.central_data},
                       {"name": "edge", "kvstore": self.edge, "kvstore_data": self.edge_data}],
-            "kvstore": {"capacity_mb": 32, "codec": "raw", "max_lease_s": TTL_S}}))
+            "kvstore": {"capacity_mb": 32, "codec": "raw", "max_lease_s": TTL_S},
+            "security": {"tls": "plaintext"}}))  # leases, not certificates, are under test here
         (run_dir / "links.json").write_text(json.dumps(
             [{"listen": relay, "target": true, "rtt_ms": 2, "gbps": LINK_GBPS} for true, relay in relayed.items()]))
         self.procs: list[subprocess.Popen] = []

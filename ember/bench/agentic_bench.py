@@ -212,7 +212,9 @@ def run_cluster(model: str, body, config: Path | None = None) -> dict:
             kvstores = [v["address"] for k, v in services.items() if k.startswith("kvstore")]
             engines = [v["metrics"] for k, v in services.items() if k.startswith(("prefill", "decode"))]
             block_bytes = facts.kv_layout.block_bytes
-            body(lambda: EmberCluster(services["router"]["address"], kvstores, block_bytes, engines))
+            from ember.cluster.launcher import credentials
+            body(lambda: EmberCluster(services["router"]["address"], kvstores, block_bytes, engines,
+                                      credentials(run_dir)))
         return engine | {"dtype": dtype, "weights": weights}
 
 

@@ -66,13 +66,17 @@ class _Timer:
 class EmberCluster:
     name = "ember-disagg"
 
-    def __init__(self, router: str, kvstores: list[str], block_bytes: int, engine_metrics: list[str] = ()):
+    def __init__(self, router: str, kvstores: list[str], block_bytes: int, engine_metrics: list[str] = (),
+                 credentials=None):
+        """`credentials`: the operator's certificate (ember.cluster.launcher.credentials) for the
+        kvstores' stats over mTLS; None: plaintext."""
         import grpc
 
         from ember.v1 import kvstore_pb2_grpc, router_pb2_grpc
         self.channel = grpc.aio.insecure_channel(router)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
-        self.kv_channels = [grpc.aio.insecure_channel(a) for a in kvstores]
+        self.kv_channels = [grpc.aio.insecure_channel(a) if credentials is None else
+                            grpc.aio.secure_channel(a, credentials.channel_credentials()) for a in kvstores]
         self.kv_stubs = [kvstore_pb2_grpc.KVStoreStub(c) for c in self.kv_channels]
         self.block_bytes = block_bytes
         self.engine_metrics = list(engine_metrics)

@@ -9,8 +9,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
-
 from ember.bench.engine_bench import random_prompts
 from ember.bench.kv_bench import raw_tcp_GBps
 from ember.bench.measure import progress, write_result
@@ -47,13 +45,17 @@ def colocated_request(engine, ids: list[int], new_tokens: int) -> dict:
     return {"ttft_s": ttft, "e2e_s": e2e, "tpot_s": (e2e - ttft) / max(1, new_tokens - 1)}
 
 
-def kv_pull_throughput(addr: dict, num_blocks: int, template: wire.FrameHeader) -> dict:
+def kv_pull_throughput(addr: dict, num_blocks: int, template: wire.FrameHeader, run_dir: Path | None = None) -> dict:
+    """Blocks put into central's store (as prefill) pulled by edge's store (as decode asks): mTLS
+    with the run's certificates when the cluster has them."""
+    from ember.cluster.launcher import credentials
+    from ember.rpc import security
     hashes = [os.urandom(16) for _ in range(num_blocks)]
     blocks = [(h, wire.encode_frame(template, h, os.urandom(template.raw_len))) for h in hashes]
-    with grpc.insecure_channel(addr["kv_central"], options=CHANNEL_OPTIONS) as ch:
+    with security.dial(addr["kv_central"], credentials(run_dir, "prefill-central"), CHANNEL_OPTIONS) as ch:
         chunks = (kvstore_pb2.BlockChunk(block_hash=h, block_bytes=n, offset=o, data=d) for h, n, o, d in split(blocks))
         kvstore_pb2_grpc.KVStoreStub(ch).Put(chunks, timeout=120)
-    with grpc.insecure_channel(addr["kv_edge"], options=CHANNEL_OPTIONS) as ch:
+    with security.dial(addr["kv_edge"], credentials(run_dir, "decode-edge"), CHANNEL_OPTIONS) as ch:
         pulled = kvstore_pb2_grpc.KVStoreStub(ch).Pull(
             kvstore_pb2.PullRequest(block_hashes=[h for h, _ in blocks], source=addr["kv_central"]), timeout=120)
     return {"blocks": pulled.blocks_pulled, "bytes": pulled.bytes_pulled, "seconds": pulled.seconds,
@@ -89,7 +91,7 @@ def main(args) -> int:
                                               for mode, rs in rows.items()}
             block_bytes = engine.layout.block_bytes
             progress("kvstore -> kvstore pull throughput")
-            result["kv_pull"] = kv_pull_throughput(addr, 256, engine.frame_template)
+            result["kv_pull"] = kv_pull_throughput(addr, 256, engine.frame_template, run_dir)
             # kernel-default buffers, as this figure has always been measured
             result["raw_tcp_GiBps"] = raw_tcp_GBps(256 * block_bytes, receive_buffer=None) * 1e9 / 2**30
     ratios = {n: r["disaggregated"]["ttft_s"] / r["colocated"]["ttft_s"] for n, r in result["runs"].items()}
