@@ -178,8 +178,8 @@ def cmd_certs(args) -> int:
             return 1
         print(f"{out}: certificates exist, left as is (--force makes a new CA and every certificate)")
         return 0
-    write_cluster_certs(config, out)
-    print(f"{out}: a new CA and certificates for {', '.join(names)}")
+    write_cluster_certs(config, out, args.days)
+    print(f"{out}: a new CA and certificates for {', '.join(names)}, valid {args.days} days")
     if config.security.tls == "plaintext":
         print(f"note: {args.config} says `security: {{tls: plaintext}}`, so its services will not use them")
     return 0
@@ -244,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True, help="folder: OUT/ca.crt, ca.key, OUT/<service>/ca.crt, tls.crt, tls.key "
                                                 "(+ kv-mac.key for prefill and decode), OUT/operator/")
     c.add_argument("--force", action="store_true", help="replace existing certificates (a new CA)")
+    c.add_argument("--days", type=int, default=365, help="validity of the CA and certificates (default: %(default)s; "
+                                                         "rotate with --force before then)")
     c.set_defaults(func=cmd_certs)
 
     b = sub.add_parser("bench", help="benchmarks that write JSON")

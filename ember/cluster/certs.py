@@ -27,7 +27,7 @@ from ember.config.schema import ClusterConfig
 from ember.config.services import services
 from ember.rpc.security import Identity
 
-VALID_DAYS = 30
+VALID_DAYS = 30  # `ember up` makes fresh ones on every start; `ember certs --days` for mounted ones
 MAC_KEY_BYTES = 32
 KV_PRODUCERS = ("prefill", "decode")
 
@@ -60,24 +60,24 @@ def _hosts(addresses: list[str | None], name: str) -> list[x509.GeneralName]:
 
 
 class CertificateAuthority:
-    def __init__(self, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate):
-        self.key, self.cert = key, cert
+    def __init__(self, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate, valid_days: int = VALID_DAYS):
+        self.key, self.cert, self.valid_days = key, cert, valid_days
 
     @classmethod
-    def create(cls, name: str = "ember cluster CA") -> CertificateAuthority:
+    def create(cls, name: str = "ember cluster CA", valid_days: int = VALID_DAYS) -> CertificateAuthority:
         key = _key()
         subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
         now = datetime.datetime.now(datetime.UTC)
         cert = (x509.CertificateBuilder().subject_name(subject).issuer_name(subject).public_key(key.public_key())
                 .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+                .not_valid_after(now + datetime.timedelta(days=valid_days))
                 .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
                 .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
                                              content_commitment=False, key_encipherment=False,
                                              data_encipherment=False, key_agreement=False, encipher_only=False,
                                              decipher_only=False), critical=True)
                 .sign(key, hashes.SHA256()))
-        return cls(key, cert)
+        return cls(key, cert, valid_days)
 
     @classmethod
     def load(cls, folder: Path) -> CertificateAuthority:
@@ -96,7 +96,7 @@ class CertificateAuthority:
                 .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
                 .issuer_name(self.cert.subject).public_key(key.public_key())
                 .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+                .not_valid_after(now + datetime.timedelta(days=self.valid_days))
                 .add_extension(x509.SubjectAlternativeName(
                     [x509.UniformResourceIdentifier(identity.uri)] + _hosts(list(addresses), name)), critical=False)
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
@@ -125,11 +125,11 @@ def service_addresses(config: ClusterConfig, role: str, site: str | None, addres
     return [address]
 
 
-def write_cluster_certs(config: ClusterConfig, out: str | Path) -> Path:
+def write_cluster_certs(config: ClusterConfig, out: str | Path, valid_days: int = VALID_DAYS) -> Path:
     """A fresh CA, a certificate per service of `config` and the operator's, and the KV MAC secret
-    (in the producers' folders only), under `out`. Returns `out`."""
+    (in the producers' folders only), under `out`, valid for `valid_days`. Returns `out`."""
     out = Path(out)
-    ca = CertificateAuthority.create()
+    ca = CertificateAuthority.create(valid_days=valid_days)
     _write(out / "ca.crt", ca.cert_pem)
     _write(out / "ca.key", _pem_key(ca.key), private=True)
     mac_key = os.urandom(MAC_KEY_BYTES)
