@@ -104,7 +104,8 @@ def main(args) -> int:
                     if layout is None:
                         layout = model_facts(load_config(run_dir / "cluster.yaml")).kv_layout
                     template = wire.layout_header(layout, root_hash(layout))
-                    ttfts(data["router"]["listen"], prompts[:1], 2)  # warm: first-request costs out of the figure
+                    warm = [tok.encode(f"Warm-up {r} {mode}: " + words)[:PROMPT_TOKENS]]
+                    ttfts(data["router"]["listen"], warm, 2)  # first-request costs out of the figure
                     gbps = [pull_GBps(run_dir, data, template, num_blocks) for _ in range(3)]
                     times, tokens = ttfts(data["router"]["listen"], prompts, 4)
             samples[mode]["pull_GBps"] += gbps
