@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -115,6 +116,11 @@ def cmd_up(args) -> int:
     print("  OpenAI HTTP API:         " + (f"http://{config.router.http}/v1" if config.router.http else
                                             "off (set router.http in the config)"))
     print(f"  run directory:           {run_dir}  (logs, traces; `ember down` stops it)")
+    tls = {"auto": f"mTLS, certificates made in {run_dir / 'certs'}", "files": "mTLS, mounted certificates",
+           "plaintext": "PLAINTEXT (security.tls: plaintext)"}[config.security.tls]
+    print(f"  internal hops:           {tls}")
+    if config.router.require_api_key or config.router.api_keys_file or os.environ.get("EMBER_API_KEY"):
+        print("  API key:                 required (Authorization: Bearer KEY; ember generate --api-key)")
     return 0
 
 

@@ -241,3 +241,28 @@ def test_the_package_list_covers_every_folder():
     dirs |= {"ember.services", "ember.configs", "ember.v1"}
     assert listed == dirs
     assert project["package-dir"] == {"ember": "ember", "ember.services": "services", "ember.configs": "configs"}
+
+
+def test_every_shipped_config_loads_and_only_an_explicit_one_is_plaintext():
+    """Each file under configs/ validates; none runs plaintext (security.tls is auto unless a config
+    says otherwise), and local-secure.yaml also demands an API key."""
+    shipped = sorted((ROOT / "configs").glob("*.yaml"))
+    assert len(shipped) >= 4
+    for path in shipped:
+        config = load_config(path)
+        assert config.security.tls == "auto", path.name
+    secure = load_config(ROOT / "configs" / "local-secure.yaml")
+    assert secure.router.require_api_key and "tls: auto" in (ROOT / "configs" / "local-secure.yaml").read_text()
+
+
+def test_plaintext_and_mounted_certificates_are_said_out_loud(tmp_path):
+    base = {"sites": [{"name": "solo", "kvstore": "127.0.0.1:1"}]}
+    with pytest.raises(ValueError, match="tls_dir"):
+        config_from_dict(base | {"security": {"tls": "files"}}, tmp_path)
+    with pytest.raises(ValueError, match="no certificates are known"):
+        security_settings(config_from_dict(base, tmp_path), "kvstore-solo", env={})
+    assert security_settings(config_from_dict(base | {"security": {"tls": "plaintext"}}, tmp_path), "kvstore-solo",
+                             env={}).tls_dir is None
+    files = config_from_dict(base | {"security": {"tls": "files", "tls_dir": "/etc/ember/tls/{name}"}}, tmp_path)
+    assert security_settings(files, "kvstore-solo", env={}).tls_dir == "/etc/ember/tls/kvstore-solo"
+    assert security_settings(files, "kvstore-solo", env={"EMBER_TLS_DIR": "/run/x"}).tls_dir == "/run/x"

@@ -193,3 +193,22 @@ def test_a_plaintext_tcp_peer_on_the_data_plane_gets_nothing(cluster):
         except (ConnectionError, TimeoutError):
             data = b""
     assert transfer.MAGIC not in data and not data.startswith(b"\x01" * 16)
+
+
+def list_services(channel: grpc.Channel) -> list[str] | grpc.StatusCode:
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+    try:
+        [answer] = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+    except grpc.RpcError as e:
+        return e.code()
+    return sorted(s.name for s in answer.list_services_response.service)
+
+
+def test_reflection_is_off_on_the_public_port_and_on_for_cluster_identities(cluster):
+    """`router.reflection` is off by default: the public port does not describe itself; internal
+    ports do, to a caller holding a cluster certificate."""
+    with grpc.insecure_channel(cluster["router"]) as ch:
+        assert list_services(ch) == grpc.StatusCode.UNIMPLEMENTED
+    with security.dial(cluster["kv_edge"], certs(cluster, "operator")) as ch:
+        assert "ember.v1.KVStore" in list_services(ch)
