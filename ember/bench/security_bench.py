@@ -2,7 +2,7 @@
 
 The shipped default config (configs/local.yaml: `security.tls: auto`, mTLS on every internal
 hop, MAC'd KV frames) against the same config with `security: {tls: plaintext}`, each laid
-onto free ports, clusters started one at a time and alternated over rounds (ABAB, so drift on
+onto free ports, clusters started one at a time and alternated over rounds (ABBA, so drift on
 a shared machine hits both). Per round:
 
 - kvstore pull GB/s: N fresh blocks of the model's layout put into central's store (as
