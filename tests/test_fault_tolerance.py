@@ -36,6 +36,9 @@ def ha(tmp_path_factory, model_path) -> Cluster:
         yield Cluster(run_dir)
 
 
+ATTEMPTS = 3
+
+
 def prompts(engine_tokenizer, long: bool = False) -> list[list[int]]:
     base = [LONG_TEXT[:1200 + 40 * i] if long else PROMPTS[i % len(PROMPTS)] + f" (variant {i})"
             for i in range(STREAMS)]
@@ -63,25 +66,36 @@ def test_killing_the_busiest_decode_worker_loses_no_stream_and_changes_no_token(
     ids = prompts(engine.tokenizer)
     reference = run_streams(ha.router, ids, **sampling)
     decoders = ["decode-edge-0", "decode-edge-1"]
-    killed: dict[str, list[int]] = {}  # name -> its pids
+    # A kill can land after the victim's engine produced every token (the engines run ahead of
+    # clients reading on a loaded host): then nothing moves and the run proves nothing. Such a
+    # round is repeated (the worker restarted first), up to ATTEMPTS times; every round's tokens
+    # must still equal the reference.
+    for _ in range(ATTEMPTS):
+        killed: dict[str, list[int]] = {}  # name -> its pids
 
-    def kill_busiest(counts) -> bool:
-        busiest = decoding_now(ha, decoders, counts)
-        if busiest is None:
-            return False
-        killed[busiest] = ha.kill(busiest)
-        return True
-    disturbed = run_streams(ha.router, ids, during=kill_busiest, **sampling)
-    [(name, pids)] = killed.items()
-    wait_dead(pids)
-    assert tokens_of(disturbed) == tokens_of(reference), "every stream continued token for token"
-    assert all(len(s.tokens) == NEW_TOKENS and s.final.finished for s in disturbed)
-    migrated = sum(s.final.placement.migrations for s in disturbed)
-    assert migrated >= 1, "the killed worker had streams, and they moved"
-    survivor = next(n for n in decoders if n != name)
-    ha.settle([survivor])
-    ha.restart(name)  # serving, and counted live by the router
-    ha.settle(decoders)
+        def kill_busiest(counts, killed=killed) -> bool:
+            busiest = decoding_now(ha, decoders, counts)
+            if busiest is None:
+                return False
+            killed[busiest] = ha.kill(busiest)
+            return True
+        try:
+            disturbed = run_streams(ha.router, ids, during=kill_busiest, **sampling)
+            assert len(killed) <= 1
+            for pids in killed.values():
+                wait_dead(pids)
+            assert tokens_of(disturbed) == tokens_of(reference), "every stream continued token for token"
+            assert all(len(s.tokens) == NEW_TOKENS and s.final.finished for s in disturbed)
+            migrated = sum(s.final.placement.migrations for s in disturbed)
+        finally:  # whatever happened, the next round and the next test find both workers serving
+            for name in killed:
+                survivor = next(n for n in decoders if n != name)
+                ha.settle([survivor])
+                ha.restart(name)  # serving, and counted live by the router
+        ha.settle(decoders)
+        if killed and migrated >= 1:
+            break
+    assert killed and migrated >= 1, f"in {ATTEMPTS} rounds no kill landed while its worker still had tokens to send"
 
 
 def test_a_stream_over_http_sse_survives_its_decode_worker(ha, engine):
