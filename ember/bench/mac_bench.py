@@ -17,23 +17,14 @@ import argparse
 import hashlib
 import hmac
 import os
-import statistics
 import threading
 import time
 
 import xxhash
 
+from ember.bench.measure import median_time
 from ember.kv import wire
 from ember.kv.block_hash import KVLayout
-
-
-def median_s(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def candidates(key: bytes) -> dict:
@@ -92,18 +83,18 @@ def one_layout(layout: KVLayout, key: bytes, blocks: int, reps: int) -> None:
     payload = os.urandom(layout.block_bytes)
     print(f"\n{layout.dtype}: one block is {layout.block_bytes / 1024:.0f} KiB")
     for name, fn in candidates(key).items():
-        t = median_s(lambda fn=fn: fn(payload), reps)
+        t = median_time(lambda fn=fn: fn(payload), reps, warmup=0)
         print(f"  {name:24s} {t * 1e6:7.0f} us/block {layout.block_bytes / t / 1e9:6.2f} GB/s  "
               f"x{blocks}: {t * blocks * 1e3:6.1f} ms  2 threads: x{parallel_ratio(fn, payload):.2f} time")
     template = wire.layout_header(layout, b"\x11" * 16)
     h = b"\x22" * 16
     plain = wire.encode_frame(template, h, payload)
     signed = wire.encode_frame(template, h, payload, mac_key=key)
-    enc = median_s(lambda: wire.encode_frame(template, h, payload), reps)
-    enc_mac = median_s(lambda: wire.encode_frame(template, h, payload, mac_key=key), reps)
-    sign = median_s(lambda: wire.sign_frame(plain, key), reps)
-    dec = median_s(lambda: wire.decode_frame(plain, template, block_hash=h), reps)
-    dec_mac = median_s(lambda: wire.decode_frame(signed, template, block_hash=h, mac_key=key), reps)
+    enc = median_time(lambda: wire.encode_frame(template, h, payload), reps, warmup=0)
+    enc_mac = median_time(lambda: wire.encode_frame(template, h, payload, mac_key=key), reps, warmup=0)
+    sign = median_time(lambda: wire.sign_frame(plain, key), reps, warmup=0)
+    dec = median_time(lambda: wire.decode_frame(plain, template, block_hash=h), reps, warmup=0)
+    dec_mac = median_time(lambda: wire.decode_frame(signed, template, block_hash=h, mac_key=key), reps, warmup=0)
     print(f"  producer: encode_frame {enc * 1e6:.0f} us, with the key {enc_mac * 1e6:.0f} us "
           f"(+{(enc_mac - enc) * 1e6:.0f}); sign_frame of an exported frame {sign * 1e6:.0f} us "
           f"-> +{sign * blocks * 1e3:.1f} ms per prompt (KVConnector.store)")
