@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 from dataclasses import dataclass, replace
 
@@ -9,12 +10,13 @@ import torch
 
 from ember.engine.block_manager import BlockManager
 from ember.engine.config import EngineConfig
+from ember.engine.constraints import Grammars, fill_mask
 from ember.engine.detokenizer import update_text
 from ember.engine.errors import CapacityError, IntegrityError, InvalidRequestError
 from ember.engine.kv_cache import PagedKVCache
 from ember.engine.model_runner import ModelRunner
 from ember.engine.outputs import RequestOutput
-from ember.engine.sampler import sample
+from ember.engine.sampler import adjust_logits, apply_masks, sample, token_logprobs
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.scheduler import Scheduler
 from ember.engine.sequence import Sequence
@@ -24,6 +26,8 @@ from ember.kv import wire
 from ember.kv.block_hash import chain_hashes, root_hash
 from ember.model.files import layout_of
 from ember.model.loader import LoadedModel, load_model
+
+log = logging.getLogger("ember.engine")
 
 
 @dataclass
@@ -35,6 +39,7 @@ class Completion:
     finish_reason: str
     cached_tokens: int
     block_hashes: list[bytes]
+    logprobs: list | None = None  # TokenLogprob per token, when asked for
 
 
 @dataclass
@@ -67,6 +72,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded.model, self.cache)
         eos = self.tokenizer.eos_token_id
         self.eos_token_id = eos if eos is not None else args.eos_token_id
+        self.grammars = Grammars(self.tokenizer.backend.to_str(), args.vocab_size, self.eos_token_id)
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -91,6 +97,8 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         seq = Sequence(request_id, token_ids + list(output_prefix), len(token_ids), params, seed,
                        cache_salt=cache_salt, shared_blocks=shared_blocks)
+        if params.constraint is not None:  # its grammar state continues after what was generated elsewhere
+            seq.matcher = self.grammars.matcher(params.constraint, output_prefix)
         if output_prefix:
             update_text(seq, self.tokenizer.decode, final=False)  # = streamed_text: already sent
         self.seqs[request_id] = seq
@@ -114,6 +122,8 @@ class LLMEngine:
             raise CapacityError(
                 f"prompt + max_tokens = {total} tokens needs more KV blocks than the pool holds "
                 f"({self.block_manager.num_blocks} blocks of {self.config.block_size}); raise kv_cache_mb")
+        if params.constraint is not None:
+            self.grammars.matcher(params.constraint)  # compiles it (cached): a bad grammar fails here
 
     def check_queue(self, num_tokens: int, also_waiting: int = 0, also_tokens: int = 0) -> None:
         """CapacityError when the waiting queue (plus `also_*` queued elsewhere) has no room for one
@@ -146,15 +156,44 @@ class LLMEngine:
             self.block_manager.register_computed(seq)
             self.stats.num_computed_tokens += n
         seqs = [batch.seqs[i] for i in sampled]
-        tokens = sample(logits, [s.params for s in seqs], [s.seed for s in seqs], [s.num_tokens for s in seqs])
-        return [self._append_token(seq, token) for seq, token in zip(seqs, tokens)]
+        params = [s.params for s in seqs]
+        processed = self._process_logits(logits, seqs)
+        tokens = sample(processed, params, [s.seed for s in seqs], [s.num_tokens for s in seqs])
+        return [self._append_token(seq, token, token_logprobs(logits, row, token, seq.params.logprobs)
+                                   if seq.params.logprobs is not None else None)
+                for row, (seq, token) in enumerate(zip(seqs, tokens))]
 
-    def _append_token(self, seq: Sequence, token: int) -> RequestOutput:
+    def _process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Logit bias, penalties and grammar masks on the rows that ask for them; `logits` itself stays
+        the model's (logprobs are read from it)."""
+        adjusted = [i for i, s in enumerate(seqs) if s.params.logit_bias or s.params.penalized]
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if not adjusted and not constrained:
+            return logits
+        logits = logits.clone()
+        if adjusted:
+            rows = logits[adjusted]  # (a copy: written back below)
+            adjust_logits(rows, [seqs[i].params for i in adjusted], [seqs[i].output_token_ids for i in adjusted])
+            logits[adjusted] = rows
+        if constrained:
+            bitmask = torch.zeros(len(constrained), -(-logits.shape[1] // 32), dtype=torch.int32)
+            for row, i in enumerate(constrained):
+                fill_mask(seqs[i].matcher, bitmask[row])
+            apply_masks(logits, constrained, bitmask)
+        return logits
+
+    def _append_token(self, seq: Sequence, token: int, logprob=None) -> RequestOutput:
         seq.token_ids.append(token)
         p = seq.params
         reason = None
         if (token == self.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
             reason = "stop"
+        elif seq.matcher is not None and not seq.matcher.consume_token(token):
+            # (a bug: the mask forbids such a token) end this request, not the batch
+            log.error("%s: token %d breaks its grammar: %s", seq.request_id, token, seq.matcher.get_error())
+            reason = "stop"
+        elif seq.matcher is not None and seq.matcher.is_stopped():
+            reason = "stop"  # the constrained output is complete: nothing but EOS could follow
         elif seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
         new_text, stop_hit = update_text(seq, self.tokenizer.decode, final=reason is not None)
@@ -166,7 +205,8 @@ class LLMEngine:
             if seq.num_cached_tokens:
                 self.stats.num_cached_prompt_tokens += seq.num_cached_tokens
         return RequestOutput(seq.request_id, [token], new_text, reason is not None, reason, seq.prompt_len,
-                             seq.num_cached_tokens, seq.num_output_tokens, list(seq.block_hashes))
+                             seq.num_cached_tokens, seq.num_output_tokens, list(seq.block_hashes),
+                             logprobs=[logprob] if logprob is not None else None)
 
     # -- conveniences --------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()
@@ -178,14 +218,17 @@ class LLMEngine:
         done: dict[str, Completion] = {}
         texts: dict[str, list[str]] = {rid: [] for rid in ids}
         tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        logprobs: dict[str, list] = {rid: [] for rid in ids}
         while self.has_unfinished():
             for out in self.step():
                 texts[out.request_id].append(out.new_text)
                 tokens[out.request_id].extend(out.new_token_ids)
+                logprobs[out.request_id].extend(out.logprobs or ())
                 if out.finished:
                     done[out.request_id] = Completion(out.request_id, prompt_ids[out.request_id],
                                                       tokens[out.request_id], "".join(texts[out.request_id]),
-                                                      out.finish_reason, out.cached_tokens, out.block_hashes)
+                                                      out.finish_reason, out.cached_tokens, out.block_hashes,
+                                                      logprobs[out.request_id] or None)
         return [done[rid] for rid in ids]
 
     def prefill(self, prompt: str | list[int], params: SamplingParams = SamplingParams()) -> Completion:

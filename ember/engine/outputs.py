@@ -16,6 +16,15 @@ class KVStats:
 
 
 @dataclass
+class TokenLogprob:
+    """A sampled token's log-probability under the model and the most likely tokens at its position."""
+    token_id: int
+    logprob: float
+    top_ids: list[int]
+    top_logprobs: list[float]
+
+
+@dataclass
 class RequestOutput:
     """What one step produced for one request (streamed); the last one has finished=True."""
     request_id: str
@@ -28,3 +37,4 @@ class RequestOutput:
     completion_tokens: int
     block_hashes: list[bytes]  # full blocks whose KV this request left in the cache
     kv: KVStats | None = None  # set on a request's first output (and its last, with blocks_stored)
+    logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when the request asked for them

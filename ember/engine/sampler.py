@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k, top-p, reproducible per request.
+"""Token sampling: greedy, temperature, top-k, top-p, reproducible per request; the logit
+processors before it (logit bias, presence/frequency penalties, grammar masks) and logprobs.
 
 A sampled token depends only on the logits, the request's params and seed, and the
 token's position: its random draw comes from a generator seeded with (seed, position).
@@ -7,8 +8,10 @@ a prefill and a decode server.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from ember.engine.outputs import TokenLogprob
 from ember.engine.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15  # golden-ratio constant to spread (seed, position) pairs
@@ -46,3 +49,38 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
         noise = torch.empty_like(probs).exponential_(generator=gen)
         tokens[row] = int((probs / noise).argmax())
     return tokens
+
+
+def adjust_logits(logits: torch.Tensor, params: list[SamplingParams], outputs: list[list[int]]) -> torch.Tensor:
+    """OpenAI's logit_bias, presence and frequency penalties (over each row's output tokens so far),
+    applied in place to the rows that ask for them; the others are untouched."""
+    for row, (p, output) in enumerate(zip(params, outputs)):
+        if p.logit_bias:
+            ids, biases = zip(*p.logit_bias)
+            ids_t = torch.tensor(ids)
+            keep = ids_t < logits.shape[1]
+            logits[row, ids_t[keep]] += torch.tensor(biases, dtype=logits.dtype)[keep]
+        if p.penalized and output:
+            counts = torch.bincount(torch.tensor(output), minlength=logits.shape[1])[:logits.shape[1]]
+            logits[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return logits
+
+
+def apply_masks(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Tokens a row's grammar forbids go to -inf: `bitmask` [len(rows), ceil(V / 32)] int32 (bit i of
+    word w allows token 32 w + i), one mask row per entry of `rows`."""
+    vocab = logits.shape[1]
+    allowed = np.unpackbits(bitmask.numpy().view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    index = torch.tensor(rows)
+    logits[index] = logits[index].masked_fill(torch.from_numpy(allowed) == 0, float("-inf"))
+
+
+def token_logprobs(raw: torch.Tensor, row: int, token: int, top: int) -> TokenLogprob:
+    """The chosen token's log-probability under the model (`raw`: the unprocessed logits) and the
+    `top` most likely tokens."""
+    logprobs = raw[row].log_softmax(-1)
+    top_ids, top_lps = ([], [])
+    if top:
+        values, ids = logprobs.topk(top)
+        top_ids, top_lps = ids.tolist(), values.tolist()
+    return TokenLogprob(token, float(logprobs[token]), top_ids, top_lps)

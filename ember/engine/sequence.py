@@ -33,6 +33,7 @@ class Sequence:
     # its tenant's hash chain (ember.kv.block_hash.parent_of): b"" is the plain, shared chain
     cache_salt: bytes = b""
     shared_blocks: int = 0
+    matcher: object | None = None  # its constraint's grammar state (ember.engine.constraints), if any
 
     @property
     def num_tokens(self) -> int:

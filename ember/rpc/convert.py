@@ -18,4 +18,17 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
                                    stop=list(p.stop), stop_token_ids=list(p.stop_token_ids), ignore_eos=p.ignore_eos)
     if p.seed is not None:
         pb.seed = p.seed
+    if p.constraint is not None:
+        c = p.constraint
+        setattr(pb.constraint, c.kind, True if c.kind == "json_object" else c.spec)
+    if p.logprobs is not None:
+        pb.logprobs = p.logprobs
+    pb.presence_penalty, pb.frequency_penalty = p.presence_penalty, p.frequency_penalty
+    pb.logit_bias.update(dict(p.logit_bias))
     return pb
+
+
+def logprobs_to_pb(logprobs) -> list[common_pb2.TokenLogprob]:
+    """ember.engine.outputs.TokenLogprob entries (None: none) as protobufs."""
+    return [common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=lp.top_ids,
+                                    top_logprobs=lp.top_logprobs) for lp in logprobs or ()]

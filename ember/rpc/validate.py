@@ -12,7 +12,7 @@ import math
 import re
 from collections.abc import Iterable, Sequence
 
-from ember.engine.sampling_params import SamplingParams
+from ember.engine.sampling_params import Constraint, SamplingParams
 from ember.errors import InvalidRequestError
 from ember.kv.block_hash import HASH_BYTES, MAX_SALT_BYTES
 
@@ -25,6 +25,8 @@ MAX_BLOCK_HASHES = 65536       # per call: 1M tokens of 16-token blocks, more th
 MAX_PUBLISHED_BLOCKS = 2**22   # per directory publish (a full refresh lists a store's every block)
 MAX_SITES = 256                # per directory lookup
 MAX_CHAT_MESSAGES = 4096
+MAX_LOGIT_BIAS = 300           # entries (OpenAI allows 300)
+MAX_CONSTRAINT_BYTES = 2**20   # a grammar, schema or regex, UTF-8
 MIN_LEASE_S = 0.01             # a shorter lease would expire before its blocks are even pinned
 # Text is capped before it is tokenized: at most this, and at most what could still fit the
 # context (RouterService: max_model_len x the vocabulary's longest token, in bytes).
@@ -127,6 +129,14 @@ def sampling(pb, vocab_size: int | None = None, max_model_len: int | None = None
             raise invalid(f"sampling.{field} must be a finite number, got {getattr(pb, field)}")
     if max_model_len is not None and pb.max_tokens > max_model_len:
         raise invalid(f"sampling.max_tokens ({pb.max_tokens}) exceeds the context length {max_model_len}")
+    for field in ("presence_penalty", "frequency_penalty"):
+        if not math.isfinite(getattr(pb, field)):
+            raise invalid(f"sampling.{field} must be a finite number, got {getattr(pb, field)}")
+    count(pb.logit_bias, "sampling.logit_bias", MAX_LOGIT_BIAS)
+    if vocab_size is not None:
+        token_ids(list(pb.logit_bias), vocab_size, "sampling.logit_bias")
+    if any(not math.isfinite(b) for b in pb.logit_bias.values()):
+        raise invalid("sampling.logit_bias values must be finite numbers")
     try:
         return SamplingParams(
             max_tokens=pb.max_tokens,
@@ -137,9 +147,24 @@ def sampling(pb, vocab_size: int | None = None, max_model_len: int | None = None
             stop=tuple(pb.stop),
             stop_token_ids=tuple(pb.stop_token_ids),
             ignore_eos=pb.ignore_eos,
+            constraint=constraint(pb.constraint) if pb.HasField("constraint") else None,
+            logprobs=pb.logprobs if pb.HasField("logprobs") else None,
+            presence_penalty=pb.presence_penalty,
+            frequency_penalty=pb.frequency_penalty,
+            logit_bias=tuple(pb.logit_bias.items()),
         )
     except ValueError as e:  # SamplingParams' own checks, at the validation point
         raise invalid(f"sampling: {e}") from e
+
+
+def constraint(pb) -> Constraint:
+    """A Constraint from its protobuf (its text capped; whether it compiles is the engine's check)."""
+    kind = pb.WhichOneof("kind")
+    if kind is None:
+        raise invalid("sampling.constraint is set but names no kind: set json_schema, json_object, regex or lark")
+    spec = "" if kind == "json_object" else getattr(pb, kind)
+    text_size(spec, f"sampling.constraint.{kind}", MAX_CONSTRAINT_BYTES)
+    return Constraint(kind, spec)
 
 
 def prefill_request(request, info) -> SamplingParams:

@@ -15,6 +15,7 @@ import grpc
 
 from ember.kv.block_hash import chain_hashes
 from ember.rpc import metrics, tracing, validate
+from ember.rpc.convert import logprobs_to_pb
 from ember.rpc.errors import RpcError, require_ready
 from ember.rpc.server import remaining
 from ember.serving.messages import KVPlan
@@ -67,7 +68,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                                                   cache_salt=salt, shared_blocks=shared):
                 msg = decode_pb2.DecodeResponse(token_ids=out.new_token_ids, text=out.new_text,
                                                 finished=out.finished, finish_reason=out.finish_reason or "",
-                                                completion_tokens=out.completion_tokens)
+                                                completion_tokens=out.completion_tokens,
+                                                logprobs=logprobs_to_pb(out.logprobs))
                 if first:
                     kv = out.kv
                     msg.transfer_s = kv.transfer_s

@@ -17,6 +17,7 @@ import grpc
 from ember.engine.detokenizer import streamed_text
 from ember.kv.block_hash import chain_hashes
 from ember.rpc import metrics, tracing, validate
+from ember.rpc.convert import logprobs_to_pb
 from ember.rpc.errors import RpcError, require_ready
 from ember.rpc.server import remaining
 from ember.serving.messages import KVPlan
@@ -73,4 +74,5 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             first_token=final.new_token_ids[0], block_hashes=hashes, kvstore_address=self.kvstore_address,
             site=self.site, cached_tokens=final.cached_tokens, computed_tokens=len(prompt) - final.cached_tokens,
             first_text=first_text, finished=finished,
-            finish_reason=final.finish_reason if finished else "", blocks_stored=kv.blocks_stored)
+            finish_reason=final.finish_reason if finished else "", blocks_stored=kv.blocks_stored,
+            first_logprob=logprobs_to_pb(final.logprobs)[0] if final.logprobs else None)

@@ -26,6 +26,7 @@ import uuid
 import grpc
 from jinja2.exceptions import TemplateError
 
+from ember.engine import constraints
 from ember.kv.block_hash import chain_hashes
 from ember.kv.directory import BlockDirectory
 from ember.model.tokenizer import Tokenizer
@@ -228,6 +229,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         if request.model and request.model != self.model_id:
             raise invalid(f"model {request.model!r} is not served here; use {self.model_id!r} (see ListModels)")
         params = sampling_from_pb(request.sampling, self.vocab_size, self.max_model_len)  # caps: ember.rpc.validate
+        if params.constraint is not None:  # a bad grammar is refused before any work is placed
+            constraints.check(params.constraint)
         if params.seed is None:  # fixed here, so a migrated or failed-over stream samples the same tokens
             params = dataclasses.replace(params, seed=random.getrandbits(63))
         prompt = await self._prompt(request)
@@ -284,6 +287,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 emitted = [pre.first_token]
                 first = router_pb2.GenerateResponse(request_id=request_id, token_ids=[pre.first_token],
                                                     text=pre.first_text)
+                if pre.HasField("first_logprob"):
+                    first.logprobs.append(pre.first_logprob)
                 decode_req.first_token = pre.first_token
                 decode_req.block_hashes[:] = pre.block_hashes
                 decode_req.source_kvstore = pre.kvstore_address
@@ -327,7 +332,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
                             emitted += d.token_ids
                         if d.transfer_s:
                             timings.transfer_s = d.transfer_s
-                        msg = router_pb2.GenerateResponse(request_id=request_id, token_ids=d.token_ids, text=d.text)
+                        msg = router_pb2.GenerateResponse(request_id=request_id, token_ids=d.token_ids, text=d.text,
+                                                          logprobs=d.logprobs)
                         if d.finished:
                             self._finished(timings, usage, received, first_at, d.completion_tokens, d.finish_reason,
                                            placement, prompt)
