@@ -34,8 +34,8 @@ def test_json_schema_outputs_validate_for_20_seeded_samples_at_temperature_1(eng
 
 def test_regex_and_json_object_constraints(engine):
     prompt = chat(engine, "Give me a date.")
-    out = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=1.0, seed=3,
-                                                   constraint=Constraint("regex", r"20[0-9]{2}-[01][0-9]-[0-3][0-9]")))[0]
+    date = Constraint("regex", r"20[0-9]{2}-[01][0-9]-[0-3][0-9]")
+    out = engine.generate([prompt], SamplingParams(max_tokens=20, temperature=1.0, seed=3, constraint=date))[0]
     assert out.finish_reason == "stop" and len(out.text) == 10 and out.text.startswith("20")
     out = engine.generate([prompt], SamplingParams(max_tokens=200, temperature=0.7, seed=1,
                                                    constraint=Constraint("json_object")))[0]
