@@ -5,17 +5,16 @@ import json
 import random
 import re
 
+import jsonschema
+import llguidance as llg
 import numpy as np
 import pytest
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from ember.model.fetch import DEFAULT_MODEL_PATH, fetch_default_model
 from ember.model.files import model_folder
 from ember.model.tokenizer import Tokenizer
 from ember.services.router import tools as T
-
-llg = pytest.importorskip("llguidance")
-jsonschema = pytest.importorskip("jsonschema")
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask  # noqa: E402
 
 N_VOCAB, EOS = 49152, 2
 
