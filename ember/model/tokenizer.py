@@ -22,6 +22,7 @@ class Tokenizer:
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token else None
         self.eos_token_id = backend.token_to_id(eos_token) if eos_token else None
         self._template = None
+        self._byte_level = json.loads(backend.to_str()).get("decoder", {}).get("type") == "ByteLevel"
         if chat_template:
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
             env.globals["raise_exception"] = _raise_exception
@@ -49,6 +50,16 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (OpenAI logprobs' `bytes`): a byte-level BPE piece mapped
+        back through GPT-2's byte alphabet; a special token's own text."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if self._byte_level and all(ch in _UNICODE_TO_BYTE for ch in piece):
+            return bytes(_UNICODE_TO_BYTE[ch] for ch in piece)
+        return piece.encode()
+
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs) -> str:
         if self._template is None:
             raise ValueError("this model has no chat template; send plain text instead")
@@ -57,6 +68,23 @@ class Tokenizer:
                 raise ValueError(f"messages[{i}] needs 'role' and 'content'")
         return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's printable stand-in character for each byte, inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+_UNICODE_TO_BYTE = _byte_alphabet()
 
 
 def _token_str(tok) -> str | None:

@@ -27,6 +27,7 @@ import grpc
 from jinja2.exceptions import TemplateError
 
 from ember.engine import constraints
+from ember.engine.sampling_params import Constraint
 from ember.kv.block_hash import chain_hashes
 from ember.kv.directory import BlockDirectory
 from ember.model.tokenizer import Tokenizer
@@ -35,7 +36,7 @@ from ember.rpc import logs, metrics, tracing, validate
 from ember.rpc.convert import sampling_from_pb, sampling_to_pb
 from ember.rpc.errors import RpcError, refuse
 from ember.rpc.server import remaining
-from ember.services.router import tenants
+from ember.services.router import tenants, tools
 from ember.services.router.auth import ANONYMOUS, Authenticated, KeyTable
 from ember.services.router.tenants import SharedPrefixes
 from ember.services.router.workers import Worker, WorkerPool
@@ -44,6 +45,7 @@ from ember.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2
 log = logging.getLogger("ember.router")
 DIRECTORY_TIMEOUT_S = 0.5
 DIRECTORY_RETRY_S = 1.0
+TOOL_CHOICES = ("auto", "none", "required", "function")  # ChatInput.tool_choice
 INLINE_TOKENIZE_CHARS = 8192  # shorter texts are tokenized on the event loop (< 1 ms)
 
 
@@ -63,6 +65,33 @@ def text_cap(tokenizer: Tokenizer, max_model_len: int, limit: int | None = None)
             cap = max_model_len * longest
             reason = f"more cannot fit the context of {max_model_len} tokens of at most {longest} bytes"
     return cap, reason
+
+
+def _json_list(text: str, field: str) -> list[dict]:
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise invalid(f"{field} is not JSON: {e}") from e
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise invalid(f"{field} must be a JSON list of objects")
+    return value
+
+
+def _tool_view(msg, parser):
+    """`msg` as the client sees it when tools may be called: tool-call text moves out of `text` into
+    `tool_calls` deltas; the last message says finish_reason "tool_calls" when a call was made."""
+    if parser is None:
+        return msg
+    content, deltas = parser.feed(msg.text)
+    if msg.finished:
+        tail, more = parser.finish()
+        content, deltas = content + tail, deltas + more
+        if parser.calls and msg.finish_reason == "stop":
+            msg.finish_reason = "tool_calls"
+    msg.text = content
+    msg.tool_calls.extend(router_pb2.ToolCallDelta(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
+                          for d in deltas)
+    return msg
 
 
 def unavailable(message: str) -> RpcError:
@@ -165,39 +194,17 @@ class RouterService(router_pb2_grpc.RouterServicer):
         backend = self.tokenizer.backend  # Tokenizer.encode: add_special_tokens=False
         return await asyncio.to_thread(lambda: backend.encode_batch([text], add_special_tokens=False)[0].ids)
 
-    async def _prompt(self, request) -> list[int]:
+    async def _prompt(self, request) -> tuple[list[int], str | None]:
+        """The prompt's token ids, and the grammar its answer must follow when the request offers
+        tools that may be called (services/router/tools.py), else None."""
         kind = request.WhichOneof("input")
         cap = self.max_text_bytes
+        grammar = None
         if kind == "text":
             validate.text_size(request.text, "text", cap, self.text_cap_reason)  # before any tokenizing
             ids = await self._encode(request.text)
         elif kind == "chat":
-            chat = request.chat
-            if not chat.messages:
-                raise invalid("chat.messages is empty")
-            validate.count(chat.messages, "chat.messages", validate.MAX_CHAT_MESSAGES)
-            chars = sum(len(m.content) for m in chat.messages)
-            size = chars if chars > cap else sum(validate.utf8_bytes(m.content) for m in chat.messages)
-            if size > cap:
-                raise invalid(f"chat.messages hold {size} bytes of content or more; at most {cap} bytes are "
-                              f"accepted ({self.text_cap_reason})")
-            for i, m in enumerate(chat.messages):
-                validate.name(m.role, f"chat.messages[{i}].role")
-            messages = [{"role": m.role, "content": m.content} for m in chat.messages]
-            extra = {}
-            if chat.tools_json:
-                validate.text_size(chat.tools_json, "chat.tools_json", cap, self.text_cap_reason)
-                try:
-                    tools = json.loads(chat.tools_json)
-                except ValueError as e:
-                    raise invalid(f"chat.tools_json is not JSON: {e}") from e
-                if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
-                    raise invalid("chat.tools_json must be a JSON list of tool objects")
-                extra["tools"] = tools
-            try:
-                text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, **extra)
-            except (ValueError, TemplateError) as e:  # the model's template refused these messages
-                raise invalid(f"chat: {e}") from e
+            text, grammar = await self._render_chat(request.chat)
             ids = await self._encode(text)
         elif kind == "tokens":
             ids = validate.token_ids(request.tokens.token_ids, self.vocab_size, "tokens.token_ids", self.max_model_len)
@@ -205,7 +212,58 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise invalid("input is required: set text, chat or tokens")
         if not ids:
             raise invalid(f"input ({kind}) is empty")
-        return ids
+        return ids, grammar
+
+    async def _render_chat(self, chat) -> tuple[str, str | None]:
+        """The chat as the model's template renders it (tools in the template, or in the system prompt
+        when the template knows none), and the tool-call grammar (None: no tool may be called)."""
+        cap = self.max_text_bytes
+        if not chat.messages:
+            raise invalid("chat.messages is empty")
+        validate.count(chat.messages, "chat.messages", validate.MAX_CHAT_MESSAGES)
+        chars = sum(len(m.content) + len(m.tool_calls_json) for m in chat.messages)
+        size = chars if chars > cap else sum(validate.utf8_bytes(m.content) + validate.utf8_bytes(m.tool_calls_json)
+                                             for m in chat.messages)
+        if size > cap:
+            raise invalid(f"chat.messages hold {size} bytes of content or more; at most {cap} bytes are "
+                          f"accepted ({self.text_cap_reason})")
+        messages = []
+        for i, m in enumerate(chat.messages):
+            validate.name(m.role, f"chat.messages[{i}].role")
+            validate.name(m.tool_call_id, f"chat.messages[{i}].tool_call_id")
+            validate.name(m.name, f"chat.messages[{i}].name")
+            message = {"role": m.role, "content": m.content}
+            if m.tool_calls_json:
+                message["tool_calls"] = _json_list(m.tool_calls_json, f"chat.messages[{i}].tool_calls_json")
+            if m.tool_call_id:
+                message["tool_call_id"] = m.tool_call_id
+            if m.name:
+                message["name"] = m.name
+            messages.append(message)
+        offered = None
+        if chat.tools_json:
+            validate.text_size(chat.tools_json, "chat.tools_json", cap, self.text_cap_reason)
+            offered = _json_list(chat.tools_json, "chat.tools_json")
+        choice = chat.tool_choice or ("auto" if offered else "none")
+        if choice not in TOOL_CHOICES:
+            raise invalid(f"chat.tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {choice!r}")
+        if choice != "none" and not offered:
+            raise invalid(f"chat.tool_choice is {choice!r} but chat.tools_json offers no tool")
+        names = [t.get("function", {}).get("name") for t in offered or ()]
+        if choice == "function" and chat.tool_choice_name not in names:
+            raise invalid(f"chat.tool_choice_name {chat.tool_choice_name!r} is none of the tools offered")
+        if choice == "none":
+            offered = None  # not shown to the model: it could not call them
+        knows = tools.template_knows_tools(self.tokenizer.chat_template)
+        try:
+            messages, extra = tools.render(messages, offered, knows)
+            grammar = None if offered is None else tools.grammar(
+                offered, choice, chat.tool_choice_name or None,
+                chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True)
+            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, **extra)
+        except (ValueError, TemplateError) as e:  # the model's template (or the tools) refused these messages
+            raise invalid(f"chat: {e}") from e
+        return text, grammar
 
     async def Generate(self, request, context):
         tenant = await self._authenticate(context)  # before anything else, admission included
@@ -227,13 +285,21 @@ class RouterService(router_pb2_grpc.RouterServicer):
         for field in ("request_id", "model", "user_region", "session_id", "cache_salt"):
             validate.name(getattr(request, field), field)
         if request.model and request.model != self.model_id:
-            raise invalid(f"model {request.model!r} is not served here; use {self.model_id!r} (see ListModels)")
+            raise RpcError(grpc.StatusCode.NOT_FOUND,
+                           f"model {request.model!r} is not served here; use {self.model_id!r} (see ListModels)")
         params = sampling_from_pb(request.sampling, self.vocab_size, self.max_model_len)  # caps: ember.rpc.validate
-        if params.constraint is not None:  # a bad grammar is refused before any work is placed
-            constraints.check(params.constraint)
         if params.seed is None:  # fixed here, so a migrated or failed-over stream samples the same tokens
             params = dataclasses.replace(params, seed=random.getrandbits(63))
-        prompt = await self._prompt(request)
+        prompt, tool_grammar = await self._prompt(request)
+        parser = None
+        if tool_grammar is not None:  # the answer is a tool call (or, with "auto", maybe text)
+            if params.constraint is not None:
+                raise invalid("sampling.constraint (response_format) and callable tools exclude each other: "
+                              "set tool_choice to none, or drop the constraint")
+            params = dataclasses.replace(params, constraint=Constraint("lark", tool_grammar))
+            parser = tools.ToolCallParser()
+        if params.constraint is not None:  # a bad grammar is refused before any work is placed
+            constraints.check(params.constraint)
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise invalid(f"input ({len(prompt)} tokens) + sampling.max_tokens ({params.max_tokens}) exceeds the "
                           f"context length {self.max_model_len}")
@@ -296,9 +362,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     self._finished(timings, usage, received, first_at, 1, pre.finish_reason, placement, prompt)
                     first.MergeFrom(router_pb2.GenerateResponse(finished=True, finish_reason=pre.finish_reason,
                                                                 usage=usage, timings=timings, placement=placement))
-                    yield first
+                    yield _tool_view(first, parser)
                     return
-                yield first  # the client sees the first token before decode starts
+                yield _tool_view(first, parser)  # the client sees the first token before decode starts
             else:
                 decode_req.prefill_here = True
                 first_at = None
@@ -340,7 +406,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                             msg.MergeFrom(router_pb2.GenerateResponse(
                                 finished=True, finish_reason=d.finish_reason, usage=usage, timings=timings,
                                 placement=placement))
-                        yield msg
+                        yield _tool_view(msg, parser)
                     return
                 except (grpc.aio.AioRpcError, StreamStalled) as e:
                     if not (isinstance(e, StreamStalled) or worker_failed(e)) or remaining(context) <= 0:
