@@ -130,13 +130,13 @@ def test_invalid_requests_are_invalid_argument(client, kwargs, field):
     assert field in e.value.details()
 
 
-def test_unknown_model_is_invalid_argument(cluster):
+def test_unknown_model_is_not_found(cluster):
     from ember.v1 import common_pb2, router_pb2, router_pb2_grpc
     with grpc.insecure_channel(cluster["router"]) as ch:
         req = router_pb2.GenerateRequest(model="gpt-17", text="hi", sampling=common_pb2.SamplingParams(max_tokens=4))
         with pytest.raises(grpc.RpcError) as e:
             list(router_pb2_grpc.RouterStub(ch).Generate(req, timeout=30))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "model" in e.value.details()
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND and "model" in e.value.details()
 
 
 def spans_of(cluster, request_id: str, service: str, timeout_s: float = 10) -> list[dict]:

@@ -213,7 +213,7 @@ USER = [{"role": "user", "content": "hi"}]
     ({"messages": USER, "top_p": 1.5}, "top_p"),
     ({"messages": USER, "top_k": -1}, "top_k"),
     ({"messages": USER, "seed": -1}, "seed"),
-    ({"messages": USER, "n": 2}, "n"),
+    ({"messages": USER, "n": 17}, "n"),
     ({"messages": USER, "stop": 5}, "stop"),
     ({"messages": USER, "stop": ["ok", ""]}, "stop.1"),
     ({"messages": USER, "stream": "yes"}, "stream"),
@@ -246,7 +246,6 @@ def test_openai_bodies_become_generate_requests():
     service = _FakeRouter()
     chat = {"model": "fake-model", "messages": [{"role": "system", "content": "Be brief."},
                                                 {"role": "user", "content": [{"type": "text", "text": "a"},
-                                                                             {"type": "image_url", "image_url": {}},
                                                                              {"type": "text", "text": "b"}]},
                                                 {"role": "assistant", "content": None}],
             "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0, "top_p": 0.9, "seed": 3, "stop": "\n",
@@ -261,7 +260,8 @@ def test_openai_bodies_become_generate_requests():
     pb, text = service.requests
     assert [(m.role, m.content) for m in pb.chat.messages] == [("system", "Be brief."), ("user", "ab"),
                                                                 ("assistant", "")]
-    assert json.loads(pb.chat.tools_json) == chat["tools"]
+    assert json.loads(pb.chat.tools_json) == [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {}}}}]  # parameters: OpenAI's default
     s = pb.sampling
     assert (s.max_tokens, s.top_k, s.seed, list(s.stop), s.ignore_eos) == (7, 4, 3, ["\n"], True)
     assert s.temperature == 0 and abs(s.top_p - 0.9) < 1e-6

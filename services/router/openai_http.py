@@ -10,6 +10,24 @@ With API keys configured (services/router/auth.py), every route but /health need
 `Authorization: Bearer KEY` (the openai client's `api_key`): else 401 with OpenAI's error body
 (`code: invalid_api_key`). The key's tenant goes with the request into `RouterService.Generate`
 (in its context).
+
+Errors. Every error body is exactly `{"error": {"message", "type", "param", "code"}}`. A body
+that does not validate is a 400 (openai_models: `param` names the field; `code`
+unsupported_parameter / unsupported_value for a field Ember does not support). A gRPC status
+from `Generate` maps, in `openai_error`, to:
+  INVALID_ARGUMENT, FAILED_PRECONDITION, OUT_OF_RANGE  400 invalid_request_error
+  UNAUTHENTICATED     401 invalid_request_error  code invalid_api_key (as the key check answers)
+  PERMISSION_DENIED   403 permission_error
+  NOT_FOUND           404 invalid_request_error  code model_not_found when about the model
+  RESOURCE_EXHAUSTED  429 rate_limit_error       code rate_limit_exceeded, with Retry-After
+  UNAVAILABLE         503 server_error
+  DEADLINE_EXCEEDED   504 server_error
+  anything else       500 server_error (DATA_LOSS, INTERNAL, UNKNOWN, ...)
+Before the answer started, that is the HTTP status and the body. Once an SSE stream started (200
+sent), an error is one event `data: {"error": {...}}`, the same message, type and param, with
+`code` the named code above or, where there is none, the HTTP status the error would have had, as
+a string ("503", "400"); then `data: [DONE]` and the stream ends (as vLLM does; the openai client
+raises APIError on the error event). An unknown route or method is OpenAI's 404/405 body too.
 """
 from __future__ import annotations
 
@@ -33,18 +51,25 @@ from ember.services.router.openai_models import (
     CompletionRequest,
     GenerationRequest,
     invalid_request,
+    invalid_request_code,
 )
 from ember.v1 import common_pb2, router_pb2
 
+# gRPC status -> OpenAI's (HTTP status, error type, code); anything not here: SERVER_ERROR
 HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
-    grpc.StatusCode.DATA_LOSS: (500, "server_error"),
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error", None),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error", None),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error", None),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error", "invalid_api_key"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error", None),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error", None),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error", "rate_limit_exceeded"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error", None),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error", None),
+    grpc.StatusCode.DATA_LOSS: (500, "server_error", None),
 }
+SERVER_ERROR = (500, "server_error", None)
+WWW_AUTHENTICATE = {"WWW-Authenticate": 'Bearer realm="ember"'}
 
 
 # The largest body read: the router's text cap plus room for the rest of a request (a longer
@@ -55,14 +80,63 @@ OPEN_PATHS = frozenset({"/health"})
 TENANT = web.RequestKey("tenant", str)  # the caller's, once its key is checked
 
 
+def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
 def error_response(status: int, kind: str, message: str, param: str | None = None,
                    retry_after_s: float | None = None, code: str | None = None,
                    headers: dict[str, str] | None = None) -> web.Response:
     headers = dict(headers or {})
     if retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
-    return web.json_response({"error": {"message": message, "type": kind, "param": param, "code": code}},
-                             status=status, headers=headers or None)
+    return web.json_response(error_body(message, kind, param, code), status=status, headers=headers or None)
+
+
+def openai_error(code: grpc.StatusCode, message: str) -> tuple[int, str, str | None, str | None]:
+    """OpenAI's (HTTP status, type, code, param) for a gRPC status and its message (the table in
+    the module docstring). The router's NOT_FOUND about the model (RouterService: "model ... is
+    not served here") is OpenAI's model_not_found."""
+    status, kind, named = HTTP_STATUS.get(code, SERVER_ERROR)
+    param = None
+    if code == grpc.StatusCode.NOT_FOUND and message.startswith("model "):
+        named, param = "model_not_found", "model"
+    return status, kind, named, param
+
+
+def grpc_error_response(code: grpc.StatusCode, message: str, retry_after_s: float | None = None) -> web.Response:
+    """The answer to a request `Generate` refused before its first message."""
+    status, kind, named, param = openai_error(code, message)
+    return error_response(status, kind, message, param, retry_after_s if status == 429 else None, named,
+                          headers=WWW_AUTHENTICATE if status == 401 else None)
+
+
+def stream_error(code: grpc.StatusCode, message: str) -> dict:
+    """The SSE event (payload) for an error after the stream started: the status can no longer
+    change, so `code` is the named code or, failing one, the HTTP status as a string."""
+    status, kind, named, param = openai_error(code, message)
+    return error_body(message, kind, param, named or str(status))
+
+
+def validation_error_response(error: ValidationError) -> web.Response:
+    return error_response(400, "invalid_request_error", *invalid_request(error), code=invalid_request_code(error))
+
+
+@web.middleware
+async def _http_errors(request: web.Request, handler):
+    """aiohttp's own errors (no such route, wrong method, ...) in OpenAI's shape. (Other exceptions
+    pass: a handler's own failures are its answers, and one that escapes may do so after an SSE
+    response started.)"""
+    try:
+        return await handler(request)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        message = (f"Invalid URL ({request.method} {request.path})" if e.status == 404
+                   else f"{e.reason}: {request.method} {request.path}")
+        kind = "server_error" if e.status >= 500 else "invalid_request_error"
+        headers = {k: v for k, v in e.headers.items() if k.lower() == "allow"}
+        return error_response(e.status, kind, message, headers=headers)
 
 
 def _authentication(keys):
@@ -79,7 +153,7 @@ def _authentication(keys):
             message = ("You didn't provide an API key. Send it as `Authorization: Bearer KEY`." if header is None
                        else "Incorrect API key provided.")
             return error_response(401, "invalid_request_error", message, code="invalid_api_key",
-                                  headers={"WWW-Authenticate": 'Bearer realm="ember"'})
+                                  headers=WWW_AUTHENTICATE)
         request[TENANT] = tenant
         return await handler(request)
     return authenticate
@@ -136,7 +210,7 @@ class OpenAIApp:
     def __init__(self, service, timeout_s: float = 600.0, keys: KeyTable | None = None):
         self.service, self.timeout_s = service, timeout_s
         self.app = _traced_app()
-        self.app.middlewares.append(_authentication(keys or KeyTable()))
+        self.app.middlewares.extend((_http_errors, _authentication(keys or KeyTable())))
         self.app.add_routes([web.get("/v1/models", self.models), web.post("/v1/chat/completions", self.chat),
                              web.post("/v1/completions", self.completions), web.get("/health", self.health)])
 
@@ -157,8 +231,8 @@ class OpenAIApp:
         def build(body: ChatCompletionRequest) -> router_pb2.GenerateRequest:
             chat = router_pb2.ChatInput(messages=[router_pb2.ChatMessage(role=m.role, content=m.text)
                                                   for m in body.messages])
-            if body.tools and body.tool_choice != "none":
-                chat.tools_json = json.dumps(body.tools)
+            if body.tools and body.tool_choice_mode != "none":
+                chat.tools_json = body.tools_json
             return self._request(body, chat=chat)
         return await self._run(request, ChatCompletionRequest, build, chat=True)
 
@@ -174,7 +248,7 @@ class OpenAIApp:
             return error_response(400, "invalid_request_error", f"the request body is larger than "
                                   f"{MAX_BODY_BYTES} bytes, the most this server accepts")
         except ValidationError as e:
-            return error_response(400, "invalid_request_error", *invalid_request(e))
+            return validation_error_response(e)
         pb = build(body)
         stream, include_usage = body.stream, body.include_usage
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
@@ -201,17 +275,16 @@ class OpenAIApp:
                 text.append(msg.text)
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI-shaped error
             code, message = status_for(e)
-            status, kind = HTTP_STATUS.get(code, (500, "server_error"))
             if response is None:
-                return error_response(status, kind, message, retry_after_s=getattr(e, "retry_after_s", None))
-            await self._send(response, {"error": {"message": message, "type": kind, "param": None, "code": None}})
+                return grpc_error_response(code, message, getattr(e, "retry_after_s", None))
+            await self._send(response, stream_error(code, message))
+            await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
         finally:
             await generator.aclose()
         if context.code is not None:  # refused before any message (admission)
-            status, kind = HTTP_STATUS.get(context.code, (500, "server_error"))
-            return error_response(status, kind, context.details, retry_after_s=context.retry_after_s())
+            return grpc_error_response(context.code, context.details, context.retry_after_s())
         usage = self._usage(final)
         if stream:
             if include_usage:
