@@ -20,10 +20,19 @@ S = grpc.StatusCode
 KEYS = {"message", "type", "param", "code"}
 
 
+class _Tokenizer:
+    eos_token_id = 2
+
+    @staticmethod
+    def token_bytes(token_id: int) -> bytes:
+        return f"<{token_id}>".encode()
+
+
 class _Router:
     """What OpenAIApp needs of RouterService. Generate records its request, then answers, or
     raises `error` before its first message (`after_one` False) or after one."""
     model_id, max_model_len = "fake-model", 2048
+    tokenizer = _Tokenizer()
 
     def __init__(self, error: Exception | None = None, after_one: bool = False, refuse_with: RpcError | None = None):
         self.keys = KeyTable()
@@ -239,7 +248,7 @@ def test_no_op_values_of_unsupported_fields_are_accepted(body):
     service = _Router()
     status, _, raw = post(service, body)
     assert status == 200, raw
-    assert len(service.requests) == 1
+    assert len(service.requests) == body.get("n", 1), "one Generate per choice"
 
 
 def test_completions_no_op_values_are_accepted():
@@ -386,7 +395,7 @@ def test_bodies_with_the_new_fields_reach_generate(body):
     service = _Router()
     status, _, raw = post(service, body)
     assert status == 200, raw
-    assert len(service.requests) == 1
+    assert len(service.requests) == body.get("n", 1), "one Generate per choice"
 
 
 def test_the_chat_models_read_out_what_the_engine_needs():

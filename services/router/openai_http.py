@@ -31,6 +31,7 @@ raises APIError on the error event). An unknown route or method is OpenAI's 404/
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -46,6 +47,7 @@ from ember.rpc import validate
 from ember.rpc.errors import status_for
 from ember.rpc.server import bind_address
 from ember.services.router.auth import ANONYMOUS, Authenticated, KeyTable
+from ember.services.router.openai_choices import Choice
 from ember.services.router.openai_models import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -188,11 +190,31 @@ class _Deadline(Authenticated):
 
 
 def _sampling(body: GenerationRequest) -> common_pb2.SamplingParams:
-    sampling = common_pb2.SamplingParams(max_tokens=body.new_tokens, stop=body.stop or [], ignore_eos=body.ignore_eos)
+    sampling = common_pb2.SamplingParams(max_tokens=body.new_tokens, stop=body.stop or [], ignore_eos=body.ignore_eos,
+                                         presence_penalty=body.presence_penalty,
+                                         frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias_ids)
     for field in ("temperature", "top_p", "top_k", "seed"):
         if getattr(body, field) is not None:
             setattr(sampling, field, getattr(body, field))
+    if body.engine_logprobs is not None:
+        sampling.logprobs = body.engine_logprobs
+    constraint = getattr(body, "constraint", None)  # chat's response_format
+    if constraint is not None:
+        kind, spec = constraint
+        setattr(sampling.constraint, kind, True if kind == "json_object" else spec)
     return sampling
+
+
+def choice_requests(pb: router_pb2.GenerateRequest, n: int) -> list[router_pb2.GenerateRequest]:
+    """`n` requests for `n` choices: choice i samples with seed + i (reproducible when a seed is given)."""
+    requests = [pb]
+    for i in range(1, n):
+        other = router_pb2.GenerateRequest()
+        other.CopyFrom(pb)
+        if pb.sampling.HasField("seed"):
+            other.sampling.seed = (pb.sampling.seed + i) % 2**63
+        requests.append(other)
+    return requests
 
 
 def _traced_app() -> web.Application:
@@ -229,10 +251,13 @@ class OpenAIApp:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         def build(body: ChatCompletionRequest) -> router_pb2.GenerateRequest:
-            chat = router_pb2.ChatInput(messages=[router_pb2.ChatMessage(role=m.role, content=m.text)
-                                                  for m in body.messages])
+            chat = router_pb2.ChatInput(messages=[router_pb2.ChatMessage(
+                role=m.role, content=m.text, tool_calls_json=m.tool_calls_json, tool_call_id=m.tool_call_id or "",
+                name=m.name or "") for m in body.messages])
             if body.tools and body.tool_choice_mode != "none":
                 chat.tools_json = body.tools_json
+                chat.tool_choice, chat.tool_choice_name = body.tool_choice_mode, body.tool_choice_name or ""
+                chat.parallel_tool_calls = body.parallel_tool_calls
             return self._request(body, chat=chat)
         return await self._run(request, ChatCompletionRequest, build, chat=True)
 
@@ -240,6 +265,40 @@ class OpenAIApp:
         def build(body: CompletionRequest) -> router_pb2.GenerateRequest:
             return self._request(body, text=body.prompt)
         return await self._run(request, CompletionRequest, build, chat=False)
+
+    async def _choices(self, requests: list, contexts: list):
+        """(choice index, GenerateResponse) from every choice's stream as they come. Choice 0 runs first;
+        the others start once its first token is out (its prompt's KV is then cached and stored, so
+        theirs is reused, not recomputed); a refused choice 0 (admission) starts none of them."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            generator = self.service.Generate(requests[i], contexts[i])
+            try:
+                async for msg in generator:
+                    queue.put_nowait((i, msg))
+                queue.put_nowait((i, None))
+            except Exception as e:  # noqa: BLE001 - handed to the reader, which raises it
+                queue.put_nowait((i, e))
+            finally:
+                await generator.aclose()
+        tasks = [asyncio.create_task(pump(0))]
+        ended = 0
+        try:
+            while ended < len(tasks):
+                i, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                if item is None:
+                    ended += 1
+                    continue
+                if len(tasks) == 1 and len(requests) > 1:
+                    tasks += [asyncio.create_task(pump(j)) for j in range(1, len(requests))]
+                yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _run(self, http: web.Request, model: type[GenerationRequest], build, chat: bool) -> web.StreamResponse:
         try:
@@ -249,30 +308,26 @@ class OpenAIApp:
                                   f"{MAX_BODY_BYTES} bytes, the most this server accepts")
         except ValidationError as e:
             return validation_error_response(e)
-        pb = build(body)
+        requests = choice_requests(build(body), body.n)
+        model_name = requests[0].model
         stream, include_usage = body.stream, body.include_usage
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
-        context = _Deadline(self.timeout_s, http[TENANT])
-        generator = self.service.Generate(pb, context)
+        contexts = [_Deadline(self.timeout_s, http[TENANT]) for _ in requests]
+        choices = [Choice(i, chat, getattr(self.service, "tokenizer", None), body.engine_logprobs is not None)
+                   for i in range(len(requests))]
         response: web.StreamResponse | None = None
-        text, final = [], None
         try:
-            async for msg in generator:
+            async for i, msg in self._choices(requests, contexts):
                 if stream and response is None:
                     response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                            "Cache-Control": "no-cache"})
                     await response.prepare(http)
-                    if chat:
-                        await self._send(response, self._chunk(rid, created, pb.model, chat,
-                                                               {"role": "assistant", "content": ""}, None))
-                if msg.finished:
-                    final = msg
-                if stream and (msg.text or msg.finished):
-                    delta = {"content": msg.text} if msg.text else {}
-                    await self._send(response, self._chunk(rid, created, pb.model, chat, delta,
-                                                           msg.finish_reason if msg.finished else None))
-                text.append(msg.text)
+                if stream and chat and not choices[i].started:  # OpenAI's first chunk of a choice: its role
+                    await self._send(response, self._chunk(rid, created, model_name, chat, [choices[i].first_chunk()]))
+                piece = choices[i].delta(msg)
+                if stream and piece is not None:
+                    await self._send(response, self._chunk(rid, created, model_name, chat, [piece]))
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI-shaped error
             code, message = status_for(e)
             if response is None:
@@ -281,44 +336,41 @@ class OpenAIApp:
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
-        finally:
-            await generator.aclose()
-        if context.code is not None:  # refused before any message (admission)
-            return grpc_error_response(context.code, context.details, context.retry_after_s())
-        usage = self._usage(final)
+        refused = next((c for c in contexts if c.code is not None), None)  # admission refused, without raising
+        if refused is not None or any(c.final is None for c in choices):
+            code, message = ((refused.code, refused.details) if refused is not None
+                             else (grpc.StatusCode.UNAVAILABLE, "the answer ended before it finished; retry"))
+            if response is None:
+                return grpc_error_response(code, message, refused.retry_after_s() if refused is not None else None)
+            await self._send(response, stream_error(code, message))
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+            return response
+        usage = self._usage([c.final for c in choices])
         if stream:
             if include_usage:
-                chunk = self._chunk(rid, created, pb.model, chat, None, None)
-                chunk["choices"], chunk["usage"] = [], usage
+                chunk = self._chunk(rid, created, model_name, chat, [])
+                chunk["usage"] = usage
                 await self._send(response, chunk)
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
             return response
-        choice = {"index": 0, "finish_reason": final.finish_reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": "".join(text)}
-        else:
-            choice["text"] = "".join(text)
         return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                  "created": created, "model": pb.model or self.service.model_id,
-                                  "choices": [choice], "usage": usage})
+                                  "created": created, "model": model_name or self.service.model_id,
+                                  "choices": [c.choice() for c in choices], "usage": usage})
 
-    def _chunk(self, rid: str, created: int, model: str, chat: bool, delta: dict | None,
-               finish_reason: str | None) -> dict:
-        choice = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
-        if chat:
-            choice["delta"] = delta or {}
-        else:
-            choice["text"] = (delta or {}).get("content", "")
+    def _chunk(self, rid: str, created: int, model: str, chat: bool, pieces: list[dict]) -> dict:
         return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,
-                "model": model or self.service.model_id, "choices": [choice]}
+                "model": model or self.service.model_id, "choices": pieces}
 
     @staticmethod
-    def _usage(final) -> dict:
-        u = final.usage
-        return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                "total_tokens": u.prompt_tokens + u.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
+    def _usage(finals: list) -> dict:
+        """The prompt counts once; completion tokens are summed over the choices; cached tokens are the
+        most any choice reused (the choices after the first reuse its prompt's KV)."""
+        prompt = finals[0].usage.prompt_tokens
+        completion = sum(f.usage.completion_tokens for f in finals)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": max(f.usage.cached_tokens for f in finals)}}
 
     @staticmethod
     async def _send(response: web.StreamResponse, payload: dict) -> None:

@@ -270,8 +270,11 @@ def grammar(tools: list[dict], choice: str, name: str | None = None, parallel: b
     """The Lark grammar (llguidance's dialect) the whole answer must match, or None (choice
     "none": unconstrained, and the caller offers no tools).
 
-    "required": one call (several separated by "\\n" when `parallel`) of any offered function;
-    "function": the same, of function `name` only; "auto": either that, or plain text, which
+    "required": one call (when `parallel`, up to one per offered function, separated by "\\n") of any
+    offered function;
+    "function": exactly one call, of function `name` (as vLLM does for a named tool_choice: a small
+    model offered "\\n" and another call tends to repeat the call until max_tokens cuts it, and a
+    cut call does not parse); "auto": either what "required" allows, or plain text, which
     must not contain "<tool_call>" anywhere (so text never starts a call, and a model that
     begins to answer in text cannot call later in that answer). Each call is the literal
     `<tool_call>{"name": "NAME", "arguments": ` + JSON matching that function's `parameters`
@@ -293,8 +296,15 @@ def grammar(tools: list[dict], choice: str, name: str | None = None, parallel: b
         by_name.setdefault(fn["name"], fn)  # a repeated name: the first definition counts
     functions = list(by_name.values())
 
+    # Parallel calls: at most one per offered function. SmolLM2, even greedy, follows a call with
+    # "\n" (p ~ 0.9) and then another call, repeating its calls until max_tokens cuts one in half;
+    # the cap ends the answer whole. (A named function: exactly one call, as vLLM does.)
+    most = len(functions) if parallel and choice != "function" else 1
+    more = ""
+    for _ in range(most - 1):
+        more = f" ({_lark_string(CALL_SEPARATOR)} call{more})?"
     lines = ["start: calls | TEXT" if choice == "auto" else "start: calls",
-             f"calls: call ({_lark_string(CALL_SEPARATOR)} call)*" if parallel else "calls: call",
+             f"calls: call{more}",
              "call: " + " | ".join(f"call_{i}" for i in range(len(functions)))]
     for i, fn in enumerate(functions):
         lines.append(f"call_{i}: {_lark_string(TOOL_CALL_OPEN + _call_head(fn['name']))} args_{i} "
