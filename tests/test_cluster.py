@@ -122,12 +122,50 @@ def test_second_turn_moves_only_new_blocks(client, cluster, engine):
     ({"text": "hi", "top_p": 1.5}, "top_p"),
     ({"text": "hi", "max_tokens": 0}, "max_tokens"),
     ({}, "input"),
+    ({"text": "hi", "json_schema": '{"type": "bogus"}'}, "constraint"),
+    ({"text": "hi", "regex": "(unclosed"}, "constraint"),
+    ({"text": "hi", "logprobs": 21}, "logprobs"),
+    ({"text": "hi", "logit_bias": {10**6: 1.0}}, "logit_bias"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool"),
 ])
 def test_invalid_requests_are_invalid_argument(client, kwargs, field):
     with pytest.raises(grpc.RpcError) as e:
         list(client.stream(**kwargs, timeout=30))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert field in e.value.details()
+
+
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}}
+
+
+def test_constrained_output_over_grpc_through_prefill_and_decode(client, engine):
+    """Prefill samples the first token under the grammar, decode continues its state: the disaggregated
+    answer equals the local engine's, token for token, and parses; logprobs come along."""
+    import json
+
+    from ember.engine.sampling_params import Constraint
+    ask = [{"role": "user", "content": "Weather in Oslo, as JSON."}]
+    out = client.complete(messages=ask, json_schema=WEATHER, temperature=1.0, seed=9, max_tokens=80, logprobs=2,
+                          timeout=120)
+    prompt = engine.tokenizer.apply_chat_template(ask)
+    want = engine.generate([prompt], SamplingParams(max_tokens=80, temperature=1.0, seed=9, logprobs=2,
+                                                    constraint=Constraint("json_schema", json.dumps(WEATHER))))[0]
+    assert out.token_ids == want.token_ids and out.final.finish_reason == "stop"
+    assert json.loads(out.text)["unit"] in ("celsius", "fahrenheit")
+    assert [lp.token_id for lp in out.logprobs] == out.token_ids
+    assert [lp.logprob for lp in out.logprobs] == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-3)
+
+
+def test_tool_calls_over_grpc(client):
+    import json
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}}]
+    out = client.complete(messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=tools,
+                          tool_choice="get_weather", temperature=1.0, seed=4, max_tokens=80, timeout=120)
+    assert out.final.finish_reason == "tool_calls" and out.text == ""
+    [call] = out.tool_calls
+    assert call["name"] == "get_weather" and call["id"].startswith("call_")
+    assert set(json.loads(call["arguments"])) == {"city", "unit"}
 
 
 def test_unknown_model_is_not_found(cluster):

@@ -61,7 +61,14 @@ def decoding_now(ha: Cluster, decoders: list[str], counts: list[int]) -> str | N
     return busiest if running[busiest] > 0 else None
 
 
-@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 1234}], ids=["greedy", "seeded"])
+# a JSON array no stream can finish within NEW_TOKENS: the grammar state must survive the move
+RECORDS = '{"type": "array", "minItems": 50, "items": {"type": "object", "required": ["id", "name"], ' \
+          '"properties": {"id": {"type": "integer"}, "name": {"type": "string"}}}}'
+
+
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.8, "seed": 1234},
+                                      {"temperature": 1.0, "seed": 77, "json_schema": RECORDS}],
+                         ids=["greedy", "seeded", "constrained"])
 def test_killing_the_busiest_decode_worker_loses_no_stream_and_changes_no_token(ha, engine, sampling):
     ids = prompts(engine.tokenizer)
     reference = run_streams(ha.router, ids, **sampling)
