@@ -170,7 +170,7 @@ class LLMEngine:
         constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if not adjusted and not constrained:
             return logits
-        logits = logits.clone()
+        logits = torch.from_numpy(logits.numpy().copy())  # (numpy: one thread, no OpenMP wake-up)
         if adjusted:
             rows = logits[adjusted]  # (a copy: written back below)
             adjust_logits(rows, [seqs[i].params for i in adjusted], [seqs[i].output_token_ids for i in adjusted])
