@@ -434,3 +434,16 @@ def test_completion_logprobs_are_the_legacy_count():
         return CompletionRequest.model_validate_json(json.dumps({"prompt": "x"} | fields))
     assert read().engine_logprobs is None and read(logprobs=0).engine_logprobs == 0
     assert read(logprobs=5).engine_logprobs == 5 and read(logit_bias={"3": 1}).logit_bias_ids == {3: 1.0}
+
+
+def test_user_and_the_sampling_fields_reach_the_generate_request():
+    service = _Router()
+    body = {"messages": USER, "user": "alice", "n": 2, "seed": 7, "logprobs": True, "top_logprobs": 2,
+            "presence_penalty": 0.5, "logit_bias": {"11": -5},
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}}
+    status, _, raw = post(service, body)
+    assert status == 200, raw
+    first, second = service.requests
+    assert first.user == "alice" and first.sampling.logprobs == 2 and first.sampling.presence_penalty == 0.5
+    assert dict(first.sampling.logit_bias) == {11: -5.0} and first.sampling.constraint.json_schema
+    assert (first.sampling.seed, second.sampling.seed) == (7, 8), "choice i samples with seed + i"

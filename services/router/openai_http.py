@@ -247,7 +247,7 @@ class OpenAIApp:
     def _request(self, body: GenerationRequest, **inp) -> router_pb2.GenerateRequest:
         return router_pb2.GenerateRequest(model=body.model or "", sampling=_sampling(body),
                                           user_region=body.user_region or "", session_id=body.session_id or "",
-                                          cache_salt=body.cache_salt or "", **inp)
+                                          cache_salt=body.cache_salt or "", user=body.user or "", **inp)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         def build(body: ChatCompletionRequest) -> router_pb2.GenerateRequest:

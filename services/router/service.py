@@ -282,7 +282,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
     async def _generate(self, request, context, tenant: str):
         received = time.perf_counter()
-        for field in ("request_id", "model", "user_region", "session_id", "cache_salt"):
+        for field in ("request_id", "model", "user_region", "session_id", "cache_salt", "user"):
             validate.name(getattr(request, field), field)
         if request.model and request.model != self.model_id:
             raise RpcError(grpc.StatusCode.NOT_FOUND,
@@ -326,7 +326,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                              estimated_link_s=est.link_s, uncached_tokens=est.uncached_tokens,
                              cached_blocks=json.dumps(cached), directory_s=directory_s)
         tracing.annotate(request_id=request_id, prompt_tokens=len(prompt), user_region=request.user_region,
-                         tenant=tenant, shared_blocks=shared)
+                         tenant=tenant, shared_blocks=shared, user=request.user)
         placement = common_pb2.Placement(
             prefill_site=decision.prefill_site, decode_site=decision.decode_site, cached_blocks=cached,
             directory_s=directory_s, reason=decision.reason, estimated_queue_s=est.queue_s,
@@ -335,7 +335,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         decoder = await self._decode_worker(placement, ())
         decoder.running += 1  # counted at the pick: a burst spreads over the workers before any Decode starts
         try:
-            log.info("%s: %s", request_id, decision.summary())
+            log.info("%s: %s%s", request_id, decision.summary(), f" (user {request.user!r})" if request.user else "")
             usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=1)
             timings = common_pb2.Timings()
             decode_req = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=pb_params,
