@@ -92,3 +92,16 @@ def hf_greedy(hf_model):
             memo[key] = out[0, len(token_ids):].tolist()
         return memo[key]
     return run
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(tmp_path_factory, model_path):
+    """The two-site exact-path cluster (tests/cluster_fixture.write_config), started once for the
+    modules that only send it requests (test_cluster, test_mtls, test_openai_api, test_openai_tools)
+    rather than once per module. Its addresses, plus `config` (the YAML) and `run_dir`."""
+    from ember.cluster.launcher import running
+    from tests.cluster_fixture import write_config
+    run_dir = tmp_path_factory.mktemp("shared-cluster")
+    addr = write_config(run_dir / "cluster.yaml")
+    with running(run_dir / "cluster.yaml", run_dir, timeout_s=240):
+        yield addr | {"config": str(run_dir / "cluster.yaml"), "run_dir": run_dir}

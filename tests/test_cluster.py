@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from ember.client import RouterClient
-from ember.cluster.launcher import running, wait_serving
+from ember.cluster.launcher import wait_serving
 from ember.engine.sampling_params import SamplingParams
 from ember.kv import wire
 from ember.kv.block_hash import chain_hashes
@@ -27,11 +27,8 @@ from tests.conftest import LONG_TEXT, PROMPTS
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, model_path):
-    run_dir = tmp_path_factory.mktemp("cluster")
-    addr = write_config(run_dir / "cluster.yaml")
-    with running(run_dir / "cluster.yaml", run_dir, timeout_s=240):
-        yield addr | {"config": str(run_dir / "cluster.yaml")}
+def cluster(shared_cluster):
+    return shared_cluster  # (conftest: one cluster for the modules that only send it requests)
 
 
 @pytest.fixture(scope="module")

@@ -20,14 +20,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ember.client import RouterClient
 from ember.cluster.certs import CertificateAuthority
-from ember.cluster.launcher import credentials, running
+from ember.cluster.launcher import credentials
 from ember.engine.sampling_params import SamplingParams
 from ember.kv import bulk, transfer, wire
 from ember.kv.chunks import split
 from ember.rpc import security
 from ember.rpc.server import CHANNEL_OPTIONS
 from ember.v1 import directory_pb2, directory_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
-from tests.cluster_fixture import write_config
 from tests.conftest import PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -36,11 +35,8 @@ DATA_PLANES = ("kv_central_data", "kv_edge_data")
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("mtls")
-    addr = write_config(run_dir / "cluster.yaml")
-    with running(run_dir / "cluster.yaml", run_dir, timeout_s=240):
-        yield addr | {"run_dir": run_dir}
+def cluster(shared_cluster):
+    return shared_cluster  # (conftest: one cluster for the modules that only send it requests)
 
 
 @pytest.fixture(scope="module")

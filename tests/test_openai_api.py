@@ -4,17 +4,12 @@ from __future__ import annotations
 import openai
 import pytest
 
-from ember.cluster.launcher import running
 from ember.engine.sampling_params import SamplingParams
-from tests.cluster_fixture import write_config
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, model_path):
-    run_dir = tmp_path_factory.mktemp("openai")
-    addr = write_config(run_dir / "cluster.yaml")
-    with running(run_dir / "cluster.yaml", run_dir, timeout_s=240):
-        yield addr | {"run_dir": run_dir}
+def cluster(shared_cluster):
+    return shared_cluster  # (conftest: one cluster for the modules that only send it requests)
 
 
 @pytest.fixture(scope="module")

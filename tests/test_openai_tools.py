@@ -9,10 +9,8 @@ import jsonschema
 import openai
 import pytest
 
-from ember.cluster.launcher import running
 from ember.engine.sampling_params import SamplingParams
 from ember.services.router import tools
-from tests.cluster_fixture import write_config
 
 WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}
@@ -28,11 +26,8 @@ SAMPLES = 20
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, model_path):
-    run_dir = tmp_path_factory.mktemp("openai-tools")
-    addr = write_config(run_dir / "cluster.yaml")
-    with running(run_dir / "cluster.yaml", run_dir, timeout_s=240):
-        yield addr
+def cluster(shared_cluster):
+    return shared_cluster  # (conftest: one cluster for the modules that only send it requests)
 
 
 @pytest.fixture(scope="module")
