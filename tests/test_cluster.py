@@ -124,6 +124,11 @@ def test_second_turn_moves_only_new_blocks(client, cluster, engine):
     ({"text": "hi", "logprobs": 21}, "logprobs"),
     ({"text": "hi", "logit_bias": {10**6: 1.0}}, "logit_bias"),
     ({"messages": [{"role": "user", "content": "hi"}], "tool_choice": "required"}, "tool"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"function": "x"}], "tool_choice": "required"},
+     "tool"),
+    ({"messages": [{"role": "assistant", "content": "", "tool_calls": [{"id": "x", "function": "x"}]},
+                   {"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]},
+     "chat"),
 ])
 def test_invalid_requests_are_invalid_argument(client, kwargs, field):
     with pytest.raises(grpc.RpcError) as e:

@@ -116,3 +116,27 @@ def test_bad_constraints_are_refused_before_any_work(engine):
         SamplingParams(logprobs=21)
     with pytest.raises(ValueError):
         SamplingParams(presence_penalty=3)
+
+
+def test_a_grammar_that_fails_mid_answer_ends_its_request_with_an_error_not_a_token(engine):
+    """A matcher in an error state (llguidance's lexer budget exceeded, say) ends its request with
+    finish_reason "error" (the engine core turns that into INVALID_ARGUMENT), frees its blocks and
+    leaves the batch running."""
+    from ember.serving.engine_core import EngineCore
+    from ember.serving.messages import AddRequest
+    prompt = chat(engine, "Weather in Oslo, as JSON.")
+    params = SamplingParams(max_tokens=40, constraint=Constraint("json_schema", json.dumps(WEATHER)))
+    core = EngineCore(engine)
+    core.add(AddRequest("broken", prompt, params))
+    core.add(AddRequest("fine", prompt, SamplingParams(max_tokens=8)))
+    while len(engine.seqs["broken"].output_token_ids) < 2:
+        core.turn()
+    engine.seqs["broken"].matcher.consume_token(engine.eos_token_id)  # not allowed here: error state
+    used = engine.block_manager.num_used_blocks
+    events = []
+    while engine.has_unfinished():
+        events += core.turn()
+    [(_, rid, error)] = [e for e in events if e[0] == "error"]
+    assert rid == "broken" and isinstance(error, InvalidRequestError) and "while decoding" in str(error)
+    assert any(e[0] == "out" and e[1].request_id == "fine" and e[1].finished for e in events)
+    assert engine.block_manager.num_used_blocks < used and not engine.seqs

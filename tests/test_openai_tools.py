@@ -233,3 +233,9 @@ def test_penalties_and_logit_bias_reach_the_engine(api, engine):
     want = engine.generate([prompt], SamplingParams(max_tokens=4, logit_bias={banned: -100.0}, presence_penalty=0.5,
                                                     frequency_penalty=0.5))[0]
     assert out.choices[0].message.content == want.text != greedy.text
+
+
+def test_malformed_tool_parameters_are_a_400_not_a_500(api):
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {"x-guidance": "abc"}}}]
+    with pytest.raises(openai.BadRequestError):
+        api.chat.completions.create(model="", messages=ASK, tools=bad, tool_choice="required", max_tokens=8)

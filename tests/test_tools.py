@@ -393,12 +393,24 @@ def test_two_parallel_calls_in_one_feed():
     assert [c.arguments for c in p.calls] == ['{"city": "Paris"}', '{"city": "Oslo"}']
 
 
-def test_unfinished_call_at_finish_is_content():
+HEAD = len('<tool_call>{"name": "get_weather", "arguments": ')
+
+
+def test_a_call_cut_before_its_name_is_content_after_it_a_partial_call():
+    """Cut (max_tokens, a stop string) before the call's first delta: its text is content. After its
+    id and name went out: the call stays, with the arguments as far as they got, and no markup
+    becomes content."""
     for cut in (5, 11, 20, 48, 60, len(CALL) - 5, len(CALL) - 1):
         p = T.ToolCallParser()
-        content, _ = p.feed("Sure. " + CALL[:cut])
+        content, sent = p.feed("Sure. " + CALL[:cut])
         rest, deltas = p.finish()
-        assert content + rest == "Sure. " + CALL[:cut] and deltas == [] and p.calls == []
+        if cut < HEAD:
+            assert content + rest == "Sure. " + CALL[:cut] and deltas == [] and p.calls == []
+        else:
+            assert content + rest == "Sure. " and deltas == []
+            [call] = p.calls
+            assert call.name == "get_weather" and call.arguments == "".join(d.arguments for d in sent)
+            assert '{"city": "Paris"}'.startswith(call.arguments)
 
 
 def test_malformed_calls_are_content_and_later_calls_still_parse():

@@ -16,8 +16,11 @@ grammars embed JSON schemas (the tool-call grammar, services/router/tools.py).
 
 JSON output is pinned to one layout (`JSON_OPTIONS`: no free whitespace, ", " and ": " as
 `json.dumps` writes them): a small model at temperature 1 otherwise wanders into whitespace
-that never ends. A router validates a constraint before placing the request (`check`), so a
-bad schema is INVALID_ARGUMENT before any prefill runs.
+that never ends. A router validates a constraint before placing the request (`check`, off its
+event loop) and the engine compiles it and computes its first mask when the request arrives, so
+a bad grammar is INVALID_ARGUMENT before any work; one that fails only later (a lexer budget
+exceeded mid-answer, `LIMITS`) ends its request with INVALID_ARGUMENT too, never with a token
+outside it.
 """
 from __future__ import annotations
 
@@ -31,6 +34,10 @@ from ember.errors import InvalidRequestError
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 256  # compiled constraints kept per engine
+# llguidance's lexer budgets, a fifth of its defaults: a pathological grammar (a regex like
+# (a{1000}){1000}) costs at most ~0.1 s of the engine's step before it fails, not ~1.3 s; real
+# schemas (a 2,000-property object, the tool grammars) stay far inside them.
+LIMITS = {"initial_lexer_fuel": 200_000, "step_lexer_fuel": 50_000, "max_lexer_states": 50_000}
 
 
 def grammar_of(constraint: Constraint) -> str:
@@ -85,7 +92,8 @@ class Grammars:
         the constraint does not compile or the prefix does not follow it."""
         template = self._compiled.get(constraint)
         if template is None:
-            template = llguidance.LLMatcher(self.tokenizer, grammar_of(constraint), log_level=0)
+            template = llguidance.LLMatcher(self.tokenizer, grammar_of(constraint), log_level=0,
+                                            limits=llguidance.LLParserLimits(**LIMITS))
             if template.is_error():
                 raise InvalidRequestError(f"the {constraint.kind.replace('_', ' ')} constraint is invalid: "
                                           f"{template.get_error()}")

@@ -122,8 +122,12 @@ class LLMEngine:
             raise CapacityError(
                 f"prompt + max_tokens = {total} tokens needs more KV blocks than the pool holds "
                 f"({self.block_manager.num_blocks} blocks of {self.config.block_size}); raise kv_cache_mb")
-        if params.constraint is not None:
-            self.grammars.matcher(params.constraint)  # compiles it (cached): a bad grammar fails here
+        if params.constraint is not None:  # compiled (cached) and its first mask computed: most bad grammars
+            matcher = self.grammars.matcher(params.constraint)  # fail here, before any work is queued
+            matcher.compute_bitmask()
+            if matcher.is_error():
+                raise InvalidRequestError(f"the {params.constraint.kind.replace('_', ' ')} constraint is invalid: "
+                                          f"{matcher.get_error()}")
 
     def check_queue(self, num_tokens: int, also_waiting: int = 0, also_tokens: int = 0) -> None:
         """CapacityError when the waiting queue (plus `also_*` queued elsewhere) has no room for one
@@ -183,14 +187,13 @@ class LLMEngine:
         return logits
 
     def _append_token(self, seq: Sequence, token: int, logprob=None) -> RequestOutput:
-        seq.token_ids.append(token)
         p = seq.params
+        if seq.matcher is not None and (seq.matcher.is_error() or (
+                token != self.eos_token_id and not seq.matcher.consume_token(token))):
+            return self._fail(seq, seq.matcher.get_error())  # (its mask allowed nothing, or broke)
+        seq.token_ids.append(token)
         reason = None
         if (token == self.eos_token_id and not p.ignore_eos) or token in p.stop_token_ids:
-            reason = "stop"
-        elif seq.matcher is not None and not seq.matcher.consume_token(token):
-            # (a bug: the mask forbids such a token) end this request, not the batch
-            log.error("%s: token %d breaks its grammar: %s", seq.request_id, token, seq.matcher.get_error())
             reason = "stop"
         elif seq.matcher is not None and seq.matcher.is_stopped():
             reason = "stop"  # the constrained output is complete: nothing but EOS could follow
@@ -207,6 +210,15 @@ class LLMEngine:
         return RequestOutput(seq.request_id, [token], new_text, reason is not None, reason, seq.prompt_len,
                              seq.num_cached_tokens, seq.num_output_tokens, list(seq.block_hashes),
                              logprobs=[logprob] if logprob is not None else None)
+
+    def _fail(self, seq: Sequence, why: str) -> RequestOutput:
+        """End `seq` with finish_reason "error" (its grammar failed mid-decode, e.g. a lexer limit):
+        an error for its caller, never a token outside its constraint."""
+        log.warning("%s: its constraint failed while decoding: %s", seq.request_id, why)
+        self.scheduler.finish(seq, "error")
+        del self.seqs[seq.request_id]
+        return RequestOutput(seq.request_id, [], "", True, "error", seq.prompt_len, seq.num_cached_tokens,
+                             seq.num_output_tokens, list(seq.block_hashes), error=why or "grammar error")
 
     # -- conveniences --------------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams()

@@ -38,3 +38,4 @@ class RequestOutput:
     block_hashes: list[bytes]  # full blocks whose KV this request left in the cache
     kv: KVStats | None = None  # set on a request's first output (and its last, with blocks_stored)
     logprobs: list[TokenLogprob] | None = None  # of new_token_ids, when the request asked for them
+    error: str | None = None  # finish_reason "error": its constraint failed while decoding (why)

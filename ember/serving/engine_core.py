@@ -276,6 +276,9 @@ class EngineCore:
             return [("out", out)]
         del self.live[out.request_id]
         self._unpin(live)
+        if out.error is not None:  # its grammar failed mid-decode: an error for the caller, not a short answer
+            return [_error(out.request_id, InvalidRequestError(f"the request's constraint failed while decoding: "
+                                                               f"{out.error}"))]
         self._count_tiers(out, live.kv)
         plan = live.request.plan
         if plan is None or plan.write_back == "none" or self.connector is None:

@@ -32,6 +32,7 @@ raises APIError on the error event). An unknown route or method is OpenAI's 404/
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -318,23 +319,30 @@ class OpenAIApp:
                    for i in range(len(requests))]
         response: web.StreamResponse | None = None
         try:
-            async for i, msg in self._choices(requests, contexts):
-                if stream and response is None:
-                    response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                           "Cache-Control": "no-cache"})
-                    await response.prepare(http)
-                if stream and chat and not choices[i].started:  # OpenAI's first chunk of a choice: its role
-                    await self._send(response, self._chunk(rid, created, model_name, chat, [choices[i].first_chunk()]))
-                piece = choices[i].delta(msg)
-                if stream and piece is not None:
-                    await self._send(response, self._chunk(rid, created, model_name, chat, [piece]))
+            async with contextlib.aclosing(self._choices(requests, contexts)) as answers:
+                async for i, msg in answers:
+                    if stream and response is None:
+                        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                               "Cache-Control": "no-cache"})
+                        await response.prepare(http)
+                    if stream and chat and not choices[i].started:  # OpenAI's first chunk of a choice: its role
+                        await self._send(response, self._chunk(rid, created, model_name, chat,
+                                                               [choices[i].first_chunk()]))
+                    piece = choices[i].delta(msg)
+                    if stream and piece is not None:
+                        await self._send(response, self._chunk(rid, created, model_name, chat, [piece]))
+        except ConnectionResetError:  # the client went away mid-stream: its choices are stopped (aclosing)
+            return response
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI-shaped error
             code, message = status_for(e)
             if response is None:
                 return grpc_error_response(code, message, getattr(e, "retry_after_s", None))
-            await self._send(response, stream_error(code, message))
-            await response.write(b"data: [DONE]\n\n")
-            await response.write_eof()
+            try:
+                await self._send(response, stream_error(code, message))
+                await response.write(b"data: [DONE]\n\n")
+                await response.write_eof()
+            except ConnectionResetError:
+                pass
             return response
         refused = next((c for c in contexts if c.code is not None), None)  # admission refused, without raising
         if refused is not None or any(c.final is None for c in choices):

@@ -249,19 +249,20 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise invalid(f"chat.tool_choice must be one of {', '.join(TOOL_CHOICES)}, got {choice!r}")
         if choice != "none" and not offered:
             raise invalid(f"chat.tool_choice is {choice!r} but chat.tools_json offers no tool")
-        names = [t.get("function", {}).get("name") for t in offered or ()]
-        if choice == "function" and chat.tool_choice_name not in names:
-            raise invalid(f"chat.tool_choice_name {chat.tool_choice_name!r} is none of the tools offered")
         if choice == "none":
             offered = None  # not shown to the model: it could not call them
         knows = tools.template_knows_tools(self.tokenizer.chat_template)
         try:
+            names = [tools.function_of(t)["name"] for t in offered or ()]
+            if choice == "function" and chat.tool_choice_name not in names:
+                raise invalid(f"chat.tool_choice_name {chat.tool_choice_name!r} is none of the tools offered")
             messages, extra = tools.render(messages, offered, knows)
             grammar = None if offered is None else tools.grammar(
                 offered, choice, chat.tool_choice_name or None,
                 chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True)
             text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, **extra)
-        except (ValueError, TemplateError) as e:  # the model's template (or the tools) refused these messages
+        except (ValueError, TypeError, KeyError, AttributeError, TemplateError) as e:
+            # the model's template, or malformed tools / tool calls (not the objects OpenAI defines)
             raise invalid(f"chat: {e}") from e
         return text, grammar
 
@@ -298,11 +299,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
                               "set tool_choice to none, or drop the constraint")
             params = dataclasses.replace(params, constraint=Constraint("lark", tool_grammar))
             parser = tools.ToolCallParser()
-        if params.constraint is not None:  # a bad grammar is refused before any work is placed
-            constraints.check(params.constraint)
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise invalid(f"input ({len(prompt)} tokens) + sampling.max_tokens ({params.max_tokens}) exceeds the "
                           f"context length {self.max_model_len}")
+        if params.constraint is not None:  # a bad grammar is refused before any work is placed (a big
+            await asyncio.to_thread(constraints.check, params.constraint)  # one takes a while: off the loop)
         request_id = request.request_id or uuid.uuid4().hex
         logs.request_id.set(request_id)
         pb_params = sampling_to_pb(params)

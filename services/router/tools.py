@@ -384,7 +384,15 @@ class ToolCallParser:
     def finish(self) -> tuple[str, list[Delta]]:
         content: list[str] = []
         deltas: list[Delta] = []
-        if self._state != _CONTENT:  # an unfinished call: its raw text is content
+        if self._state != _CONTENT and self._streamed:
+            # cut short (max_tokens, a stop string) after its deltas went out: the call stays, with the
+            # arguments as far as they got (as OpenAI returns a call cut by finish_reason "length")
+            self._calls.append(ToolCall(self._id, self._name, "".join(self._args)))
+            self._index += 1
+            self._state = _CONTENT
+            self._raw = self._lead = self._buf = ""
+            self._streamed = False
+        elif self._state != _CONTENT:  # an unfinished call before its name: its raw text is content
             content.append(self._lead + self._raw)
             self._abandon_call()
         elif self._buf and not (self._hold_ws and self._calls and not self._buf.strip(_WS)):
