@@ -88,8 +88,9 @@ class Grammars:
 
     def matcher(self, constraint: Constraint, output_prefix: list[int] = ()) -> llguidance.LLMatcher:
         """A matcher for a new request, advanced over `output_prefix` (tokens generated elsewhere:
-        the prefill's first token, or all a failed decode worker streamed); InvalidRequestError when
-        the constraint does not compile or the prefix does not follow it."""
+        the prefill's first token, or all a failed decode worker streamed), its next mask computed;
+        InvalidRequestError when the constraint does not compile, the prefix does not follow it, or
+        that mask fails (a lexer budget, `LIMITS`)."""
         template = self._compiled.get(constraint)
         if template is None:
             template = llguidance.LLMatcher(self.tokenizer, grammar_of(constraint), log_level=0,
@@ -108,6 +109,10 @@ class Grammars:
         if output_prefix and not matcher.consume_tokens(list(output_prefix)):
             raise InvalidRequestError("the tokens already generated (output_prefix) do not follow the request's "
                                       f"constraint: {matcher.get_error()}")
+        matcher.compute_bitmask()  # its next mask, now: a grammar that cannot even start fails here
+        if matcher.is_error():
+            raise InvalidRequestError(f"the {constraint.kind.replace('_', ' ')} constraint is invalid: "
+                                      f"{matcher.get_error()}")
         return matcher
 
 

@@ -89,7 +89,7 @@ class LLMEngine:
         if request_id in self.seqs:
             raise InvalidRequestError(f"request_id {request_id!r} is already running")
         token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.validate(token_ids, params)
+        self._check_fits(token_ids, params)  # (its constraint is checked as its matcher is made, below)
         if check_queue:  # (the engine core checks when the request arrives, counting its loads too)
             self.check_queue(len(token_ids))
         if len(output_prefix) >= params.max_tokens:
@@ -108,6 +108,11 @@ class LLMEngine:
 
     def validate(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError / CapacityError for a request this engine can never serve."""
+        self._check_fits(token_ids, params)
+        if params.constraint is not None:  # compiled (cached), its first mask computed: a bad grammar fails
+            self.grammars.matcher(params.constraint)  # here, before any work is queued
+
+    def _check_fits(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise InvalidRequestError("prompt is empty")
         vocab = self.loaded.args.vocab_size
@@ -122,12 +127,6 @@ class LLMEngine:
             raise CapacityError(
                 f"prompt + max_tokens = {total} tokens needs more KV blocks than the pool holds "
                 f"({self.block_manager.num_blocks} blocks of {self.config.block_size}); raise kv_cache_mb")
-        if params.constraint is not None:  # compiled (cached) and its first mask computed: most bad grammars
-            matcher = self.grammars.matcher(params.constraint)  # fail here, before any work is queued
-            matcher.compute_bitmask()
-            if matcher.is_error():
-                raise InvalidRequestError(f"the {params.constraint.kind.replace('_', ' ')} constraint is invalid: "
-                                          f"{matcher.get_error()}")
 
     def check_queue(self, num_tokens: int, also_waiting: int = 0, also_tokens: int = 0) -> None:
         """CapacityError when the waiting queue (plus `also_*` queued elsewhere) has no room for one
