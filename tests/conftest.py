@@ -105,3 +105,11 @@ def shared_cluster(tmp_path_factory, model_path):
     addr = write_config(run_dir / "cluster.yaml")
     with running(run_dir / "cluster.yaml", run_dir, timeout_s=240):
         yield addr | {"config": str(run_dir / "cluster.yaml"), "run_dir": run_dir}
+
+
+@pytest.fixture(scope="session", name="api")
+def openai_api(shared_cluster):
+    """The official `openai` client on the shared cluster's HTTP API (no retries: a failure shows)."""
+    import openai
+    return openai.OpenAI(base_url=f"http://{shared_cluster['router_http']}/v1", api_key="unused", max_retries=0,
+                         timeout=180)

@@ -12,12 +12,6 @@ def cluster(shared_cluster):
     return shared_cluster  # (conftest: one cluster for the modules that only send it requests)
 
 
-@pytest.fixture(scope="module")
-def api(cluster):
-    return openai.OpenAI(base_url=f"http://{cluster['router_http']}/v1", api_key="unused", max_retries=0,
-                         timeout=120)
-
-
 def local_chat(engine, messages, max_tokens):
     prompt = engine.tokenizer.apply_chat_template(messages)
     out = engine.generate([prompt], SamplingParams(max_tokens=max_tokens))[0]

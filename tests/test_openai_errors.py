@@ -63,6 +63,13 @@ async def _exchange(service, method: str, path: str, body=None) -> tuple[int, di
         return response.status, dict(response.headers), await response.read()
 
 
+def assert_reaches_generate(body: dict) -> None:
+    service = _Router()
+    status, _, raw = post(service, body)
+    assert status == 200, raw
+    assert len(service.requests) == body.get("n", 1), "one Generate per choice"
+
+
 def post(service, body, path: str = "/v1/chat/completions") -> tuple[int, dict, bytes]:
     return asyncio.run(_exchange(service, "POST", path, body))
 
@@ -245,10 +252,7 @@ def test_unsupported_completion_fields_are_400_naming_them(body, field, code):
     {"messages": USER, "service_tier": "default", "safety_identifier": "h", "prompt_cache_key": "k"},
 ], ids=["nulls-and-no-ops", "hints"])
 def test_no_op_values_of_unsupported_fields_are_accepted(body):
-    service = _Router()
-    status, _, raw = post(service, body)
-    assert status == 200, raw
-    assert len(service.requests) == body.get("n", 1), "one Generate per choice"
+    assert_reaches_generate(body)
 
 
 def test_completions_no_op_values_are_accepted():
@@ -392,10 +396,7 @@ FULL = {"model": "fake-model", "messages": [
     {"messages": USER, "n": 16, "presence_penalty": None, "logit_bias": {}},
 ], ids=["everything", "required-stream", "none", "none-without-tools", "empty-tools", "json_object", "text", "n=16"])
 def test_bodies_with_the_new_fields_reach_generate(body):
-    service = _Router()
-    status, _, raw = post(service, body)
-    assert status == 200, raw
-    assert len(service.requests) == body.get("n", 1), "one Generate per choice"
+    assert_reaches_generate(body)
 
 
 def test_the_chat_models_read_out_what_the_engine_needs():

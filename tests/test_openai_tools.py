@@ -25,17 +25,6 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris right now?
 SAMPLES = 20
 
 
-@pytest.fixture(scope="module")
-def cluster(shared_cluster):
-    return shared_cluster  # (conftest: one cluster for the modules that only send it requests)
-
-
-@pytest.fixture(scope="module")
-def api(cluster):
-    return openai.OpenAI(base_url=f"http://{cluster['router_http']}/v1", api_key="unused", max_retries=0,
-                         timeout=180)
-
-
 def many(fn, seeds):
     """fn(seed) for every seed, concurrently (they share the decode batch)."""
     with ThreadPoolExecutor(len(seeds)) as pool:
