@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 import pytest
@@ -72,9 +73,23 @@ def _echo_service(address: str, closed: list[str]) -> grpc.GenericRpcHandler:
             tracing.annotate(counted=i)
             yield str(i).encode()
 
+    async def flood(request: bytes, context):
+        # never awaits itself: a client that stops reading leaves it blocked in gRPC's write
+        sent = 0
+        try:
+            while True:
+                yield b"x" * 2**20
+                sent += 1
+        except (asyncio.CancelledError, GeneratorExit):
+            tracing.annotate(flood_sent=sent)  # must land on the SERVER span, before it ends
+            raise
+        finally:
+            closed.append("flood")
+
     def same(x: bytes) -> bytes:
         return x
     return grpc.method_handlers_generic_handler("test.Echo", {
+        "Flood": grpc.unary_stream_rpc_method_handler(flood, same, same),
         "Unary": grpc.unary_unary_rpc_method_handler(unary, same, same),
         "Stream": grpc.unary_stream_rpc_method_handler(stream, same, same),
         "Count": grpc.unary_stream_rpc_method_handler(count, same, same)})
@@ -108,9 +123,12 @@ async def _scenario(exporter) -> tuple[dict, list[str]]:
             slow = ch.unary_stream("/test.Echo/Stream")(b"slow", timeout=30)
             assert await slow.__aiter__().__anext__() == b"0"
             slow.cancel()  # the client goes away mid-stream
-            for _ in range(200):
-                if "slow" in closed:
-                    break
+            flood = ch.unary_stream("/test.Echo/Flood")(b"", timeout=30)
+            assert len(await flood.__aiter__().__anext__()) == 2**20
+            await asyncio.sleep(0.2)  # the server fills the flow-control window and blocks writing
+            flood.cancel()  # ... so the cancel reaches it in gRPC's write, not in the handler
+            deadline = time.monotonic() + 5
+            while not {"slow", "flood"} <= set(closed) and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
     finally:
         await server.server.stop(0)
@@ -133,7 +151,7 @@ def test_grpc_instrumentation_keeps_streaming_handlers_in_their_span(exporter, c
     assert results["ok"] == [b"0", b"1", b"2", b"3"]
     assert results["fail"] == grpc.StatusCode.INVALID_ARGUMENT and results["bad"] == grpc.StatusCode.INVALID_ARGUMENT
     assert results["gone"] == grpc.StatusCode.UNAVAILABLE
-    assert sorted(closed) == ["fail", "ok", "slow"], "every streaming handler was closed, the cancelled one too"
+    assert sorted(closed) == ["fail", "flood", "ok", "slow"], "every streaming handler was closed, the cancelled ones too"
 
     spans = exporter.get_finished_spans()
     assert not [s for s in spans if s.name.startswith("/grpc.")], "health checks stay out of traces"
@@ -164,6 +182,9 @@ def test_grpc_instrumentation_keeps_streaming_handlers_in_their_span(exporter, c
     cancelled = [s for s in spans if s.kind == trace.SpanKind.SERVER and s.name == "/test.Echo/Stream"
                  and "ember.step_0" in s.attributes and "ember.step_1" not in s.attributes]
     assert len(cancelled) == 1, "the cancelled stream's span ended too"
+    [flooded] = [s for s in spans if s.kind == trace.SpanKind.SERVER and s.name == "/test.Echo/Flood"]
+    assert flooded.attributes.get("ember.flood_sent", 0) >= 1, \
+        "a handler cancelled while gRPC writes is closed inside its span (its last words are kept)"
 
 
 class _FakeRouter:

@@ -26,6 +26,8 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor, filters
+from opentelemetry.instrumentation.grpc._aio_server import (OpenTelemetryAioServerInterceptor,
+                                                            _OpenTelemetryAioServicerContext)
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
@@ -76,10 +78,38 @@ def client_interceptors() -> list:
     return aio_client_interceptors(filter_=_traced())
 
 
+class _ClosingServerInterceptor(OpenTelemetryAioServerInterceptor):
+    """The instrumentation's server interceptor, with a response stream that ends inside its span.
+
+    Upstream wraps a streaming handler in an async generator that neither closes the handler's
+    generator nor is closed by gRPC: a call cancelled while gRPC writes (a client that stopped
+    reading, or cancelled between tokens) left both to the garbage collector, which closed them
+    later in another context, after the span had ended (the handler's last attributes lost, a
+    "Failed to detach context" logged). Here the stream is a coroutine that writes each message
+    itself (gRPC's reader/writer form) and closes the handler, in the call's own task, before
+    the span ends."""
+
+    def _intercept_aio_server_stream(self, behavior, handler_call_details):
+        async def stream(request_or_iterator, context):
+            with self._set_remote_context(context), \
+                    self._start_span(handler_call_details, context, set_status_on_exception=False) as span:
+                wrapped = _OpenTelemetryAioServicerContext(context, span)
+                async with contextlib.aclosing(behavior(request_or_iterator, wrapped)) as responses:
+                    try:
+                        async for response in responses:
+                            await context.write(response)
+                    except Exception as error:
+                        if type(error) is not Exception:  # a bare Exception is an abort (upstream's rule)
+                            span.record_exception(error)
+                        raise
+        return stream
+
+
 def server_interceptor() -> grpc.aio.ServerInterceptor:
     """The SERVER span of each incoming call, child of the caller's span (put it first, so the
     interceptors after it, and the handler, run inside the span)."""
-    return aio_server_interceptor(filter_=_traced())
+    upstream = aio_server_interceptor(filter_=_traced())  # its tracer (name, version, schema)
+    return _ClosingServerInterceptor(upstream._tracer, filter_=upstream._filter)
 
 
 def annotate(**attributes) -> None:
