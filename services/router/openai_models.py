@@ -18,8 +18,10 @@ clients echo an answer's message back with fields of newer API versions (`refusa
 the model reads text only.
 
 Ember's extensions (`extra_body` in the openai client): `user_region`, `session_id`, `top_k`,
-`ignore_eos`, `cache_salt` (vLLM's: a secret salting this request's prefix cache). Accepted and
-not used: `user`, `safety_identifier`, `prompt_cache_key` (the prefix cache needs no hint).
+`ignore_eos`, `cache_salt` (vLLM's: a secret salting this request's prefix cache), `speculative`
+(prompt-lookup speculation on or off for this request; unset: the server's default). `user` is
+recorded on the request's span and log line. Accepted and not used: `safety_identifier`,
+`prompt_cache_key` (the prefix cache needs no hint).
 Sizes are capped (stop strings, messages, tools, logit_bias entries, names; the text itself by the
 router, before tokenizing): ember.rpc.validate.
 
@@ -291,6 +293,7 @@ class GenerationRequest(OpenAIModel):
     # Ember's extensions
     top_k: int | None = Field(None, ge=0, lt=UINT32)
     ignore_eos: bool = False
+    speculative: bool | None = None  # prompt-lookup speculation (exact); unset: the server's default
     user_region: Name | None = None
     session_id: Name | None = None
     cache_salt: Name | None = None
