@@ -51,14 +51,16 @@ class RouterClient:
                json_object: bool = False, regex: str | None = None, lark: str | None = None,
                logprobs: int | None = None, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
                logit_bias: dict[int, float] | None = None, tools: list[dict] | None = None,
-               tool_choice: str | None = None, parallel_tool_calls: bool | None = None
-               ) -> Iterator[router_pb2.GenerateResponse]:
+               tool_choice: str | None = None, parallel_tool_calls: bool | None = None,
+               speculative: bool | None = None) -> Iterator[router_pb2.GenerateResponse]:
         sampling = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                              top_k=top_k, stop=stop or [], ignore_eos=ignore_eos,
                                              presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                              logit_bias=logit_bias or {})
         if seed is not None:
             sampling.seed = seed
+        if speculative is not None:
+            sampling.speculative = speculative
         if logprobs is not None:
             sampling.logprobs = logprobs
         if json_schema is not None:

@@ -43,6 +43,25 @@ def loaded(model_path):
 
 
 @pytest.fixture(scope="session")
+def q4_loaded(model_path):
+    """The default serving path's model: the GGUF's Q4_1 codes on int4 kernels, bf16."""
+    from ember.model.loader import load_model
+    return load_model(model_path, "bfloat16", "q4")
+
+
+@pytest.fixture(scope="session")
+def q4_engine(q4_loaded):
+    """make(**overrides): a fresh engine on the q4 weights (own pool, scheduler and cache)."""
+    from ember.engine.config import EngineConfig
+    from ember.engine.engine import LLMEngine
+
+    def make(**overrides):
+        config = dict(dtype="bfloat16", weights="q4", threads=2, kv_cache_mb=256) | overrides
+        return LLMEngine(EngineConfig(**config), loaded=q4_loaded)
+    return make
+
+
+@pytest.fixture(scope="session")
 def engine(loaded):
     from ember.engine.config import EngineConfig
     from ember.engine.engine import LLMEngine

@@ -1,5 +1,6 @@
 """The shipped configs/local.yaml as a user runs it (default weights: the GGUF's Q4_1 codes):
-disaggregated tokens equal the in-process engine's, sent alone or together, cold or cached."""
+disaggregated tokens equal the in-process engine's, sent alone or together, cold or cached, with
+speculation (the default there) or without."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -20,26 +21,42 @@ def test_the_default_cluster_serves_the_default_engines_tokens_however_requests_
     from ember.engine.config import EngineConfig
     from ember.engine.engine import LLMEngine
     config = on_free_ports(default_config(), tmp_path / "cluster.yaml", str(model_path))
-    engine = LLMEngine(EngineConfig(model=str(model_path), threads=1, kv_cache_mb=128))
+    # plain decoding: the cluster speculates by default, and must give these very tokens
+    engine = LLMEngine(EngineConfig(model=str(model_path), threads=1, kv_cache_mb=128, speculative_tokens=0))
     assert (engine.config.weights, engine.config.dtype) == ("q4", "bfloat16")  # what the cluster serves too
     chats = [[{"role": "user", "content": p}] for p in PROMPTS[:3]]
     chats.append([{"role": "user", "content": LONG_TEXT[:1500] + "\n\nWhat did the keeper write down?"}])
+    chats.append([{"role": "user", "content": "Repeat this text word for word:\n\n" + LONG_TEXT[:600]}])
     prompts = [engine.tokenizer.encode(engine.tokenizer.apply_chat_template(c)) for c in chats]
     params = [SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True),
               SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.8, seed=7)] * 2
+    params.append(SamplingParams(max_tokens=4 * NEW_TOKENS, ignore_eos=True))  # quotes its context
     expected = [engine.generate([p], sp)[0].token_ids for p, sp in zip(prompts, params)]
     del engine
 
-    def ask(client, i):
+    def ask(client, i, **extra):
         sp = params[i]
-        return client.complete(token_ids=prompts[i], max_tokens=NEW_TOKENS, ignore_eos=True,
-                               temperature=sp.temperature, seed=sp.seed, timeout=300)
+        return client.complete(token_ids=prompts[i], max_tokens=sp.max_tokens, ignore_eos=True,
+                               temperature=sp.temperature, seed=sp.seed, timeout=300, **extra)
 
     router = config["router"]["listen"]
     with running(tmp_path / "cluster.yaml", tmp_path, timeout_s=300), RouterClient(router) as client:
         with ThreadPoolExecutor(len(prompts)) as pool:  # all at once: batched prefill and decode
             together = list(pool.map(lambda i: ask(client, i), range(len(prompts))))
         again = [ask(client, i) for i in range(len(prompts))]  # one at a time, prefixes cached now
+        plain = ask(client, len(prompts) - 1, speculative=False)  # the per-request switch
+        decode_metrics = _decode_metrics(tmp_path)
+    assert decode_metrics["ember:spec_decode_num_accepted_tokens_total"] > NEW_TOKENS, "drafts were kept"
+    assert plain.token_ids == expected[-1]
     assert [r.token_ids for r in together] == expected
     assert [r.token_ids for r in again] == expected
     assert all(r.final.usage.cached_tokens >= len(p) // 16 * 16 - 16 for r, p in zip(again, prompts))
+
+
+def _decode_metrics(run_dir) -> dict[str, float]:
+    import json
+
+    from ember.cluster.status import scrape
+    services = json.loads((run_dir / "services.json").read_text())
+    [decode] = [s for name, s in services.items() if name.startswith("decode")]
+    return scrape(decode["metrics"])

@@ -17,23 +17,6 @@ QUESTIONS = ["How many fishing boats were counted?", "Where were the records kep
              "Name the town.", "List the merchant ship counts."]
 
 
-@pytest.fixture(scope="module")
-def q4_loaded(model_path):
-    from ember.model.loader import load_model
-    return load_model(model_path, "bfloat16", "q4")
-
-
-@pytest.fixture(scope="module")
-def q4_engine(q4_loaded):
-    from ember.engine.config import EngineConfig
-    from ember.engine.engine import LLMEngine
-
-    def make(**overrides):
-        config = dict(dtype="bfloat16", weights="q4", threads=2, kv_cache_mb=256) | overrides
-        return LLMEngine(EngineConfig(**config), loaded=q4_loaded)
-    return make
-
-
 def _requests(tokenizer) -> tuple[list[list[int]], list[SamplingParams]]:
     """8 chat prompts of ~190-560 tokens, each opening on its own section; even ones greedy,
     odd ones sampled with a fixed seed (each prompt both ways would double the run time)."""

@@ -14,12 +14,6 @@ def q4_weights(model_path):
     return read_q4_1(model_path)
 
 
-@pytest.fixture(scope="module")
-def q4_loaded(model_path):
-    from ember.model.loader import load_model
-    return load_model(model_path, "bfloat16", "q4")
-
-
 @pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
                                   "model.layers.29.mlp.down_proj.weight"])
 def test_q4_codes_are_the_gguf_weights_exactly(q4_weights, model_path, name):

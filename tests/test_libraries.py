@@ -151,7 +151,7 @@ def test_grpc_instrumentation_keeps_streaming_handlers_in_their_span(exporter, c
     assert results["ok"] == [b"0", b"1", b"2", b"3"]
     assert results["fail"] == grpc.StatusCode.INVALID_ARGUMENT and results["bad"] == grpc.StatusCode.INVALID_ARGUMENT
     assert results["gone"] == grpc.StatusCode.UNAVAILABLE
-    assert sorted(closed) == ["fail", "flood", "ok", "slow"], "every streaming handler was closed, the cancelled ones too"
+    assert sorted(closed) == ["fail", "flood", "ok", "slow"], "every streaming handler closed, cancelled ones too"
 
     spans = exporter.get_finished_spans()
     assert not [s for s in spans if s.name.startswith("/grpc.")], "health checks stay out of traces"
@@ -272,7 +272,7 @@ def test_openai_bodies_become_generate_requests():
             "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0, "top_p": 0.9, "seed": 3, "stop": "\n",
             "user": "someone", "stream_options": {"include_usage": True}, "logit_bias": {}, "frequency_penalty": 0,
             "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto",
-            "top_k": 4, "ignore_eos": True, "user_region": "edge", "session_id": "s1"}
+            "top_k": 4, "ignore_eos": True, "user_region": "edge", "session_id": "s1", "speculative": False}
     results = asyncio.run(_http(service, [("/v1/chat/completions", json.dumps(chat).encode()),
                                           ("/v1/completions", b'{"prompt": ["Once"]}')]))
     assert [status for status, _ in results] == [200, 200]
@@ -286,6 +286,8 @@ def test_openai_bodies_become_generate_requests():
     s = pb.sampling
     assert (s.max_tokens, s.top_k, s.seed, list(s.stop), s.ignore_eos) == (7, 4, 3, ["\n"], True)
     assert s.temperature == 0 and abs(s.top_p - 0.9) < 1e-6
+    assert s.HasField("speculative") and not s.speculative  # Ember's switch; unset: the server's default
+    assert not text.sampling.HasField("speculative")
     assert (pb.model, pb.user_region, pb.session_id) == ("fake-model", "edge", "s1")
     assert text.text == "Once" and text.sampling.max_tokens == 256 and not text.sampling.HasField("seed")
 

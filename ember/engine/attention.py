@@ -51,9 +51,25 @@ class PrefillChunk:
 
 @dataclass
 class DecodeBatch:
-    token_indices: torch.Tensor  # [B] offsets in the step's tokens
+    """Decoding sequences, batched. Each has one new token, or (a speculative verify step) its last
+    token and its drafts: `query_lens` consecutive tokens from its offset."""
+    token_indices: torch.Tensor  # [B] offset in the step's tokens of each sequence's first new token
     block_tables: torch.Tensor  # [B, max_blocks] long, padded with 0
-    context_lens: torch.Tensor  # [B] long, including the new token
+    context_lens: torch.Tensor  # [B] long, including its new tokens
+    query_lens: torch.Tensor | None = None  # [B] new tokens each; None: one each
+
+    def __post_init__(self):
+        if self.query_lens is None:
+            self.query_lens = torch.ones_like(self.token_indices)
+        width = int(self.query_lens.max())
+        steps = torch.arange(width)
+        # [B, T]: each sequence's rows in the step (a shorter one repeats its last), and which are real
+        self.valid = steps[None, :] < self.query_lens[:, None]
+        self.rows = self.token_indices[:, None] + torch.minimum(steps[None, :], self.query_lens[:, None] - 1)
+        # [B, T]: each row's position (its token sees the keys up to it)
+        self.positions = self.context_lens[:, None] - self.query_lens[:, None] + self.rows - self.token_indices[:, None]
+        self.flat_rows = self.rows[self.valid]  # the step's decode rows, in order
+        self.dense = bool(self.valid.all())  # every sequence has `width` new tokens (plain decode: 1)
 
 
 def _align(n: int) -> int:
@@ -124,9 +140,10 @@ class PagedAttention:
         if decode is not None:
             self.decode_tables = self._pad_tables(decode.block_tables)
             max_len = self.decode_tables.shape[1] * self.block_size
-            # [B, 1, 1, max_len]: True where a key position holds context
-            self.decode_mask = (torch.arange(max_len)[None, :] < decode.context_lens[:, None])[:, None, None, :]
+            # [B, 1, T, max_len]: True where a key is context of a row's token (at or before it)
+            self.decode_mask = (torch.arange(max_len)[None, None, :] <= decode.positions[:, :, None])[:, None]
             self.decode_hidden = ~self.decode_mask
+            self._masks: dict = {}
 
     def _pad_tables(self, tables: torch.Tensor) -> torch.Tensor:
         """Block tables [B, W], padded with block 0 (masked) to whole KEY_ALIGN key blocks."""
@@ -155,7 +172,7 @@ class PagedAttention:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = prefill(q[rows], k[rows], v[rows], chunk, layer_idx)
         if self.decode is not None:
-            out[self.decode.token_indices] = decode(q[self.decode.token_indices], layer_idx)
+            out[self.decode.flat_rows] = decode(q[self.decode.flat_rows], layer_idx)
         return out
 
     def _prefill(self, q, k, v, chunk: PrefillChunk, layer_idx: int) -> torch.Tensor:
@@ -198,23 +215,65 @@ class PagedAttention:
         out = out[0].view(num_kv_heads, n, group, head_dim).permute(1, 0, 2, 3)
         return out.reshape(n, num_heads, head_dim).to(q.dtype)
 
+    def _grouped(self, q: torch.Tensor, num_kv_heads: int, min_rows: int = 1) -> torch.Tensor:
+        """The decode rows' queries [R, H, D] -> fp32 [B, Hkv, max(T * G, min_rows), D], zero-padded:
+        row t * G + g is query head g of the sequence's token t."""
+        d = self.decode
+        batch, width = d.rows.shape
+        _, num_heads, head_dim = q.shape
+        group = num_heads // num_kv_heads
+        if d.dense:
+            per_seq = q.float().view(batch, width, num_heads, head_dim)
+        else:
+            per_seq = torch.zeros(batch, width, num_heads, head_dim, dtype=torch.float32)
+            per_seq[d.valid] = q.float()
+        qg = per_seq.view(batch, width, num_kv_heads, group, head_dim).transpose(1, 2)
+        qg = qg.reshape(batch, num_kv_heads, width * group, head_dim)
+        return _pad_rows(qg, min_rows)
+
+    def _ungrouped(self, out: torch.Tensor, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
+        """[B, Hkv, >= T * G, D] -> the decode rows [R, H, D] in step order."""
+        d = self.decode
+        batch, width = d.rows.shape
+        num_kv_heads, head_dim = out.shape[1], out.shape[3]
+        group = num_heads // num_kv_heads
+        out = out[:, :, :width * group].reshape(batch, num_kv_heads, width, group, head_dim).transpose(1, 2)
+        out = out.reshape(batch, width, num_heads, head_dim)
+        return (out.reshape(-1, num_heads, head_dim) if d.dense else out[d.valid]).to(dtype)
+
+    def _rows_mask(self, mask: torch.Tensor, group: int, rows: int) -> torch.Tensor:
+        """[B, 1, T, S] per token -> [B, 1, rows, S] per query row (row t * G + g: token t); padding
+        rows repeat the last token's mask (never all hidden: no NaN). With one token each, the
+        [B, 1, 1, S] mask broadcasts as it is. Made once per step (every layer asks the same)."""
+        if mask.shape[2] == 1:
+            return mask
+        key = (id(mask), group, rows)
+        if key not in self._masks:
+            per_row = mask.repeat_interleave(group, dim=2)
+            if per_row.shape[2] < rows:
+                pad = per_row[:, :, -1:].expand(-1, -1, rows - per_row.shape[2], -1)
+                per_row = torch.cat([per_row, pad], dim=2)
+            self._masks[key] = per_row
+        return self._masks[key]
+
     def _decode(self, q: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        # q: [B, H, D]. Group the query heads by their KV head: [B, Hkv, G, D], so one
-        # matmul per KV head serves all its query heads (no K/V repeat).
-        batch, num_heads, head_dim = q.shape
+        # Group the query heads by their KV head: [B, Hkv, T * G, D], so one matmul per KV head
+        # serves all its query heads (no K/V repeat).
+        num_heads = q.shape[1]
         keys, values = self._gather(layer_idx, self.decode_tables).transpose(2, 3)  # [B, Hkv, S, D] each
-        qg = q.view(batch, keys.shape[1], -1, head_dim)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=self.decode_mask, scale=self.scale)
-        return out.reshape(batch, num_heads, head_dim)
+        num_kv_heads = keys.shape[1]
+        qg = self._grouped(q, num_kv_heads).to(q.dtype)
+        mask = self._rows_mask(self.decode_mask, num_heads // num_kv_heads, qg.shape[2])
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
+        return self._ungrouped(out, num_heads, q.dtype)
 
     def _decode_exact(self, q: torch.Tensor, layer_idx: int) -> torch.Tensor:
-        batch, num_heads, head_dim = q.shape
+        num_heads = q.shape[1]
         serial = self.decode_mask.numel() <= SERIAL_KEYS
         with _threads(1) if serial else nullcontext():
             keys, values = _heads_fp32(self._gather(layer_idx, self.decode_tables))  # [B, Hkv, S, D] each
             num_kv_heads = keys.shape[1]
-            group = num_heads // num_kv_heads
-            qg = q.new_zeros(batch, num_kv_heads, max(group, MIN_ROWS), head_dim, dtype=torch.float32)
-            qg[:, :, :group] = q.view(batch, num_kv_heads, group, head_dim)
-            out = _exact_attention(qg, keys, values, self.decode_hidden, self.scale)
-        return out[:, :, :group].reshape(batch, num_heads, head_dim).to(q.dtype)
+            qg = self._grouped(q, num_kv_heads, MIN_ROWS)
+            hidden = self._rows_mask(self.decode_hidden, num_heads // num_kv_heads, qg.shape[2])
+            out = _exact_attention(qg, keys, values, hidden, self.scale)
+        return self._ungrouped(out, num_heads, q.dtype)

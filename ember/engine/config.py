@@ -33,6 +33,15 @@ class EngineSettings(Section):
     max_model_len: int | None = Field(None, gt=0, description="longest prompt + output; unset: the model's "
                                                               "context length")
     threads: int = Field(0, ge=0, description="torch threads of the engine process; 0: one per core")
+    speculative_tokens: int | None = Field(None, ge=0, description="prompt-lookup drafts verified per decode "
+                                           "step (exact: tokens unchanged); 0: off; unset: 2 on the "
+                                           "batch-invariant bf16 path, off on fp32 (its kernels are not)")
+    speculative_max_batch: int = Field(4, gt=0, description="speculate only while at most this many sequences "
+                                                            "decode: in bigger steps each draft costs about "
+                                                            "what a token does")
+    speculative_ngram_max: int = Field(4, gt=0, description="longest suffix (tokens) looked up in the context "
+                                                            "to draft from")
+    speculative_ngram_min: int = Field(2, gt=0, description="shortest suffix looked up")
     max_waiting_requests: int = Field(256, gt=0, description="requests queued (not yet running) at most; past "
                                                              "it: RESOURCE_EXHAUSTED")
     max_waiting_tokens: int = Field(262144, gt=0, description="prompt tokens queued at most; past it: "
@@ -48,6 +57,9 @@ class EngineSettings(Section):
     @model_validator(mode="after")
     def _pair(self):
         check_pair(self.dtype, self.weights)
+        if self.speculative_ngram_min > self.speculative_ngram_max:
+            raise ValueError(f"speculative_ngram_min ({self.speculative_ngram_min}) must not exceed "
+                             f"speculative_ngram_max ({self.speculative_ngram_max})")
         return self
 
 

@@ -20,6 +20,7 @@ from ember.engine.sampler import adjust_logits, apply_masks, sample, token_logpr
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.scheduler import Scheduler
 from ember.engine.sequence import Sequence
+from ember.engine.speculation import NgramIndex, accepted_prefix
 from ember.errors import NotFoundError
 from ember.kernels import optimize
 from ember.kv import wire
@@ -28,6 +29,12 @@ from ember.model.files import layout_of
 from ember.model.loader import LoadedModel, load_model
 
 log = logging.getLogger("ember.engine")
+
+# Drafts per step when the engine speculates by default (batch-invariant path) or a request asks
+# for it on an engine that does not. `ember bench speculative` (k = 1..4, batch 1, q4): 2 is the
+# fastest; torch's int4 kernel costs more per row than a memory-bound one would, so a verify
+# step of 4 or 5 rows costs more than its extra accepted drafts save.
+DEFAULT_SPECULATIVE_TOKENS = 2
 
 
 @dataclass
@@ -48,6 +55,8 @@ class EngineStats:
     num_prompt_tokens: int = 0
     num_cached_prompt_tokens: int = 0
     num_steps: int = 0
+    num_draft_tokens: int = 0  # speculative drafts verified
+    num_accepted_tokens: int = 0  # of those, kept (each one a decode step saved)
 
 
 class LLMEngine:
@@ -73,6 +82,12 @@ class LLMEngine:
         eos = self.tokenizer.eos_token_id
         self.eos_token_id = eos if eos is not None else args.eos_token_id
         self.grammars = Grammars(self.tokenizer.backend.to_str(), args.vocab_size, self.eos_token_id)
+        # batch-invariant (bf16) steps give a position the same logits in a verify step as in a
+        # decode step, so speculation changes no token there; fp32's SDPA does not promise that
+        auto = DEFAULT_SPECULATIVE_TOKENS if config.dtype != "float32" else 0
+        self.speculative_tokens = auto if config.speculative_tokens is None else config.speculative_tokens
+        self.ngram_range = (config.speculative_ngram_min, config.speculative_ngram_max)
+        self.speculative_max_batch = config.speculative_max_batch
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -149,22 +164,83 @@ class LLMEngine:
 
     # -- the step ----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self._draft()
         batch = self.scheduler.schedule()
         if not batch:
             return []
         logits, sampled = self.runner.run(batch)
         self.stats.num_steps += 1
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += n
+            # a verify step's drafts count as computed once accepted (_verify)
+            seq.num_computed_tokens += 1 if seq.draft_token_ids else n
             self.block_manager.register_computed(seq)
             self.stats.num_computed_tokens += n
-        seqs = [batch.seqs[i] for i in sampled]
-        params = [s.params for s in seqs]
+        seqs = [batch.seqs[i] for i in sampled]  # one per logits row
+        positions, previous, offset = [], None, 0  # a verify step's rows sample consecutive positions
+        for i, seq in zip(sampled, seqs):
+            offset = offset + 1 if i == previous else 0
+            positions.append(seq.num_tokens + offset)
+            previous = i
         processed = self._process_logits(logits, seqs)
-        tokens = sample(processed, params, [s.seed for s in seqs], [s.num_tokens for s in seqs])
-        return [self._append_token(seq, token, token_logprobs(logits, row, token, seq.params.logprobs)
-                                   if seq.params.logprobs is not None else None)
-                for row, (seq, token) in enumerate(zip(seqs, tokens))]
+        tokens = sample(processed, [s.params for s in seqs], [s.seed for s in seqs], positions)
+        outputs, row = [], 0
+        while row < len(seqs):
+            seq = seqs[row]
+            rows = range(row, row + 1 + len(seq.draft_token_ids))
+            outputs.append(self._verify(seq, rows, tokens, logits) if seq.draft_token_ids else
+                           self._append_token(seq, tokens[row], self._logprob(logits, row, tokens[row], seq)))
+            row = rows.stop
+        return outputs
+
+    def _draft(self) -> None:
+        """This step's drafts for every decoding sequence that speculates (prompt lookup), while few
+        decode: a step's cost grows with its rows once there are more than a handful."""
+        decoders = [s for s in self.scheduler.running if s.num_tokens - s.num_computed_tokens == 1]
+        for seq in self.scheduler.running:
+            seq.draft_token_ids = []
+        if len(decoders) > self.speculative_max_batch:
+            return
+        for seq in decoders:
+            p = seq.params
+            if not p.can_speculate:
+                continue
+            k = self.speculative_tokens or (DEFAULT_SPECULATIVE_TOKENS if p.speculative else 0)
+            # the step emits up to k + 1 tokens: no draft past max_tokens or the context length
+            k = min(k, p.max_tokens - seq.num_output_tokens - 1, self.max_model_len - seq.num_tokens - 1)
+            if k <= 0:
+                continue
+            if seq.drafter is None:
+                seq.drafter = NgramIndex(*self.ngram_range)
+            seq.draft_token_ids = seq.drafter.propose(seq.token_ids, k)
+
+    def _verify(self, seq: Sequence, rows: range, tokens: list[int], logits: torch.Tensor) -> RequestOutput:
+        """Keep the drafts that equal what was sampled at their position, then the first sampled
+        token that differs (or the one after the last draft): exactly the tokens plain decoding
+        would have produced, each appended (and checked for a stop) in turn."""
+        drafts, seq.draft_token_ids = seq.draft_token_ids, []
+        sampled = [tokens[r] for r in rows]
+        accepted = accepted_prefix(drafts, sampled)
+        self.stats.num_draft_tokens += len(drafts)
+        self.stats.num_accepted_tokens += accepted
+        outs = []
+        for j in range(accepted + 1):
+            outs.append(self._append_token(seq, sampled[j], self._logprob(logits, rows[j], sampled[j], seq)))
+            if outs[-1].finished:
+                break
+            if j < accepted:  # this draft's KV was computed in the step, with the token it turned out to be
+                seq.num_computed_tokens += 1
+                self.block_manager.register_computed(seq)
+        last = outs[-1]
+        if len(outs) == 1:
+            return last
+        return replace(last, new_token_ids=[t for o in outs for t in o.new_token_ids],
+                       new_text="".join(o.new_text for o in outs),
+                       logprobs=None if last.logprobs is None else [lp for o in outs for lp in o.logprobs])
+
+    @staticmethod
+    def _logprob(logits: torch.Tensor, row: int, token: int, seq: Sequence):
+        top = seq.params.logprobs
+        return None if top is None else token_logprobs(logits, row, token, top)
 
     def _process_logits(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Logit bias, penalties and grammar masks on the rows that ask for them; `logits` itself stays

@@ -18,32 +18,42 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """Compute the batch's tokens; return (logits [S, V], indices into batch.seqs sampled)."""
+        """Compute the batch's tokens; return (logits [S, V], for each logits row its index into
+        batch.seqs). A decoding sequence with drafts (its last token, then seq.draft_token_ids)
+        gets a row per position, in order: the verify step of speculative decoding."""
         input_ids, positions, slots = [], [], []
-        prefills, decode_rows, decode_tables, decode_lens = [], [], [], []
+        prefills, decode_rows, decode_tables, decode_lens, decode_queries = [], [], [], [], []
         sample_rows, sampled = [], []
         bs = self.block_size
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             offset = len(input_ids)
-            input_ids.extend(seq.token_ids[start:start + n])
+            tokens = seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids
+            input_ids.extend(tokens[start:start + n])
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            if n == 1 and start > 0:
+            if start > 0 and (n == 1 or seq.draft_token_ids):
+                # a decode, batched with the others; a verify step's tokens too (each sees the
+                # keys up to its own position: all are written before attention)
                 decode_rows.append(offset)
-                decode_tables.append(table[:-(-(start + 1) // bs)])
-                decode_lens.append(start + 1)
+                decode_tables.append(table[:-(-(start + n) // bs)])
+                decode_lens.append(start + n)
+                decode_queries.append(n)
             else:
                 prefills.append(PrefillChunk(offset, n, start, torch.tensor(table[:-(-(start + n) // bs)])))
-            if start + n == seq.num_tokens:  # chunk reaches the end: sample the next token
+            if seq.draft_token_ids:  # verify: every position is sampled
+                sample_rows.extend(range(offset, offset + n))
+                sampled.extend([i] * n)
+            elif start + n == seq.num_tokens:  # chunk reaches the end: sample the next token
                 sample_rows.append(offset + n - 1)
                 sampled.append(i)
         decode = None
         if decode_rows:
             width = max(len(t) for t in decode_tables)
             tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
-            decode = DecodeBatch(torch.tensor(decode_rows), tables, torch.tensor(decode_lens))
+            decode = DecodeBatch(torch.tensor(decode_rows), tables, torch.tensor(decode_lens),
+                                 torch.tensor(decode_queries))
         attend = PagedAttention(self.cache, torch.tensor(slots), prefills, decode, self.scale)
         hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), attend)
         if not sample_rows:

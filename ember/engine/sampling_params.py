@@ -36,6 +36,7 @@ class SamplingParams:
     presence_penalty: float = 0.0  # OpenAI's, over the output tokens
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, sorted by id
+    speculative: bool | None = None  # prompt-lookup speculation (exact); None: the engine's default
 
     def __post_init__(self):
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -66,6 +67,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def can_speculate(self) -> bool:
+        """Whether drafts can be verified as plain samples: no processor whose state moves with each
+        token (penalties over the output so far, a grammar) and no logit bias (kept simple)."""
+        return self.speculative is not False and self.constraint is None and not self.penalized \
+            and not self.logit_bias
 
     @property
     def penalized(self) -> bool:

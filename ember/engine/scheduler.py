@@ -2,8 +2,9 @@
 
 Each step has `max_num_batched_tokens` tokens to give out:
 
-1. Decoding sequences first (one token each, in admission order), so a prefill never
-   delays the next token of a running stream: the budget is sized (`ember bench budget`)
+1. Decoding sequences first (one token each, plus its speculative drafts when the budget and
+   its blocks allow; in admission order), so a prefill never delays the next token of a
+   running stream: the budget is sized (`ember bench budget`)
    so that a step carrying a full budget still meets the decode TPOT SLO. A budget smaller
    than the decode batch serves the decoders round-robin (never the same ones left out).
 2. What is left goes to prefill work *one prompt at a time*: the head of the prefill queue
@@ -104,9 +105,12 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 continue
-            bm.grow(seq, 1)
-            self._put(batch, seq, 1)
-            budget -= 1
+            num_new = 1 + len(seq.draft_token_ids)  # its drafts ride along when budget and blocks allow
+            if num_new > 1 and (num_new > budget or not bm.can_grow(seq, num_new)):
+                seq.draft_token_ids, num_new = [], 1
+            bm.grow(seq, num_new)
+            self._put(batch, seq, num_new)
+            budget -= num_new
 
         # 2. prefill work, one prompt at a time in queue order; admit only who gets tokens now
         candidates = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
@@ -188,6 +192,7 @@ class Scheduler:
                 del batch.seqs[i], batch.num_new_tokens[i]
                 break
         self.block_manager.free(seq)
+        seq.draft_token_ids = []
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1

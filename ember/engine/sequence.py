@@ -34,6 +34,8 @@ class Sequence:
     cache_salt: bytes = b""
     shared_blocks: int = 0
     matcher: object | None = None  # its constraint's grammar state (ember.engine.constraints), if any
+    drafter: object | None = None  # its prompt-lookup index (ember.engine.speculation), when it speculates
+    draft_token_ids: list[int] = field(default_factory=list)  # this step's drafts, after token_ids
 
     @property
     def num_tokens(self) -> int:

@@ -25,6 +25,8 @@ def sampling_to_pb(p: SamplingParams) -> common_pb2.SamplingParams:
         pb.logprobs = p.logprobs
     pb.presence_penalty, pb.frequency_penalty = p.presence_penalty, p.frequency_penalty
     pb.logit_bias.update(dict(p.logit_bias))
+    if p.speculative is not None:
+        pb.speculative = p.speculative
     return pb
 
 

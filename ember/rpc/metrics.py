@@ -76,6 +76,23 @@ class _WorkerCollector:
         yield running
 
 
+class _SpeculationCollector:
+    """Counters kept by the engine core, read off its latest snapshot (the client watch_engine names)."""
+    client = None
+
+    def collect(self):
+        if self.client is None:
+            return
+        snap = self.client.snapshot
+        yield CounterMetricFamily("ember:spec_decode_num_draft_tokens", "Prompt-lookup drafts verified",
+                                  value=snap.draft_tokens)
+        yield CounterMetricFamily("ember:spec_decode_num_accepted_tokens", "Drafts kept (each a decode step saved)",
+                                  value=snap.accepted_tokens)
+
+
+_SPECULATION = _SpeculationCollector()
+
+
 def watch_workers(pool) -> None:
     """The router's view of its prefill and decode workers, read at scrape time."""
     REGISTRY.register(_WorkerCollector(pool))
@@ -88,6 +105,9 @@ def watch_engine(client) -> None:
     KV_USAGE.set_function(lambda: client.snapshot.used_blocks / max(1, client.snapshot.total_blocks))
     for tier in ("l1", "l2", "computed"):
         PROMPT_TOKENS_BY_TIER.labels(tier).set_function(lambda t=tier: getattr(client.snapshot, f"tokens_{t}"))
+    if _SPECULATION.client is None:
+        REGISTRY.register(_SPECULATION)
+    _SPECULATION.client = client
 
 
 def watch_store(store) -> None:

@@ -26,8 +26,10 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor, filters
-from opentelemetry.instrumentation.grpc._aio_server import (OpenTelemetryAioServerInterceptor,
-                                                            _OpenTelemetryAioServicerContext)
+from opentelemetry.instrumentation.grpc._aio_server import (
+    OpenTelemetryAioServerInterceptor,
+    _OpenTelemetryAioServicerContext,
+)
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult

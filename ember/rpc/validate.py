@@ -152,6 +152,7 @@ def sampling(pb, vocab_size: int | None = None, max_model_len: int | None = None
             presence_penalty=pb.presence_penalty,
             frequency_penalty=pb.frequency_penalty,
             logit_bias=tuple(pb.logit_bias.items()),
+            speculative=pb.speculative if pb.HasField("speculative") else None,
         )
     except ValueError as e:  # SamplingParams' own checks, at the validation point
         raise invalid(f"sampling: {e}") from e

@@ -131,13 +131,15 @@ class EngineCore:
                 "blocks_grpc": getattr(self.connector, "blocks_grpc", 0),
                 "frames_forged": getattr(self.connector, "frames_forged", 0),  # refused: their MAC failed
                 "preemptions": engine.scheduler.num_preemptions, "evictions": bm.num_evictions,
+                "draft_tokens": engine.stats.num_draft_tokens, "accepted_tokens": engine.stats.num_accepted_tokens,
                 **vars(self.tiers)}
 
     def snapshot(self) -> Snapshot:
         engine, bm = self.engine, self.engine.block_manager
         t = self.tiers
         return Snapshot(len(engine.scheduler.running), len(engine.scheduler.waiting) + len(self.pending),
-                        bm.num_used_blocks, bm.num_blocks, t.tokens_l1, t.tokens_l2, t.tokens_computed)
+                        bm.num_used_blocks, bm.num_blocks, t.tokens_l1, t.tokens_l2, t.tokens_computed,
+                        engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens)
 
     # -- the loop turn -----------------------------------------------------------------------
     def has_work(self) -> bool:

@@ -72,6 +72,8 @@ class Snapshot:
     tokens_l1: int = 0  # prompt tokens served from the engine pool, since start
     tokens_l2: int = 0  # from the site kvstore
     tokens_computed: int = 0
+    draft_tokens: int = 0  # speculative drafts verified, since start
+    accepted_tokens: int = 0  # of those, kept
 
 
 @dataclass(frozen=True)

@@ -194,7 +194,7 @@ def _sampling(body: GenerationRequest) -> common_pb2.SamplingParams:
     sampling = common_pb2.SamplingParams(max_tokens=body.new_tokens, stop=body.stop or [], ignore_eos=body.ignore_eos,
                                          presence_penalty=body.presence_penalty,
                                          frequency_penalty=body.frequency_penalty, logit_bias=body.logit_bias_ids)
-    for field in ("temperature", "top_p", "top_k", "seed"):
+    for field in ("temperature", "top_p", "top_k", "seed", "speculative"):
         if getattr(body, field) is not None:
             setattr(sampling, field, getattr(body, field))
     if body.engine_logprobs is not None:
