@@ -79,9 +79,12 @@ def test_q4_engine_answers_and_hashes_kv_apart(q4_loaded, engine):
     from ember.engine.sampling_params import SamplingParams
     q4 = LLMEngine(EngineConfig(dtype="bfloat16", weights="q4", threads=2, kv_cache_mb=32),
                    loaded=q4_loaded)
-    prompt = q4.tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}])
+    prompt = q4.tokenizer.apply_chat_template([{"role": "user", "content": "Name three primary colors."}])
     out = q4.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0]
-    assert "Paris" in out.text
+    assert "Red" in out.text and "Blue" in out.text
+    # and just what the fp32 reference (= transformers) answers. Not every prompt agrees for 12 tokens:
+    # on 16 chat prompts q4 matched the reference's first 24 tokens on 11 to 12 (bench quality)
+    assert out.text == engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].text
     assert q4.loaded.fingerprint.endswith("+q4")
     assert q4.block_manager.root_hash != engine.block_manager.root_hash  # its KV never mixes with fp32 KV
 

@@ -10,6 +10,7 @@ from ember.engine import attention
 from ember.engine.attention import KEY_ALIGN, MIN_ROWS, DecodeBatch, PagedAttention, PrefillChunk
 from ember.engine.kv_cache import PagedKVCache
 from ember.engine.sampling_params import SamplingParams
+from ember.kernels import cpu_attention
 from ember.kv.block_hash import KVLayout
 from tests.conftest import LONG_TEXT
 
@@ -100,13 +101,17 @@ def run_sequence(q, k, v, chunks, decode_from, table, dtype, others=0, **kw):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("decode_threads", ["serial", "parallel"])
-def test_batch_invariant_attention_is_the_same_bits_however_computed(dtype, decode_threads, monkeypatch):
+@pytest.mark.parametrize("kernel", ["cpp", "torch"])
+def test_batch_invariant_attention_is_the_same_bits_however_computed(dtype, decode_threads, kernel, monkeypatch):
     """One prompt, one chunk vs many chunk sizes vs decode steps batched with others: equal bits.
     300 tokens: more than a query tile (256), keys across many KEY_ALIGN blocks. Decode on
-    the calling thread or on all threads (prefill uses all): the same bits too."""
+    the calling thread or on all threads (prefill uses all): the same bits too. Both ways of
+    computing it: the C++ kernel (ember.kernels.cpu_attention; its calls split over threads or
+    not) and the torch recipe."""
     monkeypatch.setattr(attention, "SERIAL_KEYS", 10**9 if decode_threads == "serial" else 0)
+    monkeypatch.setattr(cpu_attention, "PARALLEL_WORK", 10**12 if decode_threads == "serial" else 0)
     torch.manual_seed(2)
-    T, kw = 300, {"batch_invariant": True}
+    T, kw = 300, {"batch_invariant": True, "kernel": kernel == "cpp"}
     q, k, v = (torch.randn(T, h, D).to(getattr(torch, dtype)) for h in (H, HKV, HKV))
     table = list(range(40, 40 + T // BS + 1))[::-1]
     one_shot = run_sequence(q, k, v, [T], T, table, dtype, **kw)
@@ -124,6 +129,39 @@ def test_bf16_cache_takes_the_batch_invariant_path_fp32_keeps_sdpa():
     table = torch.tensor([0])
     assert PagedAttention(make_cache(4, "bfloat16"), table, [], None, 1.0).batch_invariant
     assert not PagedAttention(make_cache(4, "float32"), table, [], None, 1.0).batch_invariant
+
+
+def test_the_cpp_kernel_builds_here_and_serves_the_bf16_path():
+    """CI and every supported machine have a C++ compiler: the kernel must not fall back silently."""
+    assert cpu_attention.available()
+    assert PagedAttention(make_cache(4, "bfloat16"), torch.tensor([0]), [], None, 1.0).tiles is not None
+    assert PagedAttention(make_cache(4, "float32"), torch.tensor([0]), [], None, 1.0).tiles is None
+
+
+def test_speculative_verify_rows_equal_their_decode_steps():
+    """A decode element of several rows (last token + drafts) gives each row the bits a one-row decode
+    step at its position gives, batched beside a plain decode and a prefill chunk."""
+    torch.manual_seed(4)
+    T = 90
+    q, k, v = (torch.randn(T, h, D).to(torch.bfloat16) for h in (H, HKV, HKV))
+    table = list(range(10, 10 + T // BS + 1))
+    want = run_sequence(q, k, v, [80], 80, table, "bfloat16", batch_invariant=True)
+    cache = make_cache(128, "bfloat16")
+    PagedAttention(cache, slots_for(table, 0, 80), [PrefillChunk(0, 80, 0, torch.tensor(table))], None,
+                   D ** -0.5)(0, q[:80], k[:80], v[:80])
+    other = list(range(60, 63))
+    PagedAttention(cache, slots_for(other, 0, 40), [PrefillChunk(0, 40, 0, torch.tensor(other))], None,
+                   D ** -0.5)(0, q[:40], k[:40], v[:40])
+    # one step: the other sequence decodes its token 40, ours verifies 80..85, a third prefills 20
+    third = list(range(70, 73))
+    rows = torch.cat([q[40:41], q[80:86], q[:20]]), torch.cat([k[40:41], k[80:86], k[:20]]), \
+        torch.cat([v[40:41], v[80:86], v[:20]])
+    slots = torch.cat([slots_for(other, 40, 1), slots_for(table, 80, 6), slots_for(third, 0, 20)])
+    tables = torch.tensor([other + [0] * (len(table) - 3), table])
+    decode = DecodeBatch(torch.tensor([0, 1]), tables, torch.tensor([41, 86]), torch.tensor([1, 6]))
+    out = PagedAttention(cache, slots, [PrefillChunk(7, 20, 0, torch.tensor(third))], decode, D ** -0.5)(0, *rows)
+    assert torch.equal(out[1:7], want[80:86])
+    assert torch.equal(out[7:], want[:20])  # the prefill rows: the first 20 of a one-shot prompt
 
 
 def test_torch_facts_the_batch_invariant_attention_relies_on():

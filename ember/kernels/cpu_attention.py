@@ -1,0 +1,164 @@
+"""Paged attention on CPU in a small C++ kernel (csrc/paged_attention.cpp), batch-invariant by
+construction: every query row is computed by one fixed sequence of IEEE operations, whatever
+shares its call, so prefill, chunked prefill, cached-prefix tails, decode and speculative
+verify steps give a token the same bits. It reads K/V straight from the paged cache (no
+gather), shares each key between the query heads of its group, and never pads queries.
+
+Built on first use with the system C++ compiler into the user cache, keyed by the source and
+the CPU's flags (`-march=native`; -ffp-contract=off and no fast-math keep the bits the same on
+any x86 build), and called through ctypes, which releases the GIL: big calls are split over
+`torch.get_num_threads()` Python threads. Without a compiler the engine keeps its torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from ember.cache import cache_dir
+
+log = logging.getLogger("ember.kernels")
+
+SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c++17"]
+TILE_ROWS = 16  # query rows of one sequence per kernel tile (their keys are loaded once)
+PARALLEL_WORK = 1 << 17  # rows x keys above which a call is split over threads
+MAX_GROUP_ROWS = 4096  # tile rows x query heads per KV head: the kernel's bound
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_failed = False
+_pool: ThreadPoolExecutor | None = None
+
+
+def _cpu_key() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+
+
+def _build(target: Path) -> None:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        tmp = Path(work) / target.name
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, text=True)
+        os.replace(tmp, target)  # atomic: a concurrent builder's copy is as good
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernel, or None when it cannot be built here (logged once)."""
+    global _library, _failed
+    with _lock:
+        if _library is not None or _failed:
+            return _library
+        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+        target = cache_dir() / "kernels" / f"paged_attention-{digest}-{_cpu_key()}.so"
+        try:
+            if not target.exists():
+                _build(target)
+            lib = ctypes.CDLL(str(target))
+        except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+            detail = getattr(e, "stderr", "") or e
+            log.warning("C++ paged attention unavailable, using the torch path: %s", detail)
+            _failed = True
+            return None
+        fn = lib.ember_paged_attention
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                       ctypes.c_float, ctypes.c_void_p]
+        _library = lib
+        return lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+class Tiles:
+    """A step's query rows as kernel tiles: [T, 4] (first row, rows, sequence, first position)
+    with each sequence's block table as a row of `tables` [S, W]. Made once per step."""
+
+    def __init__(self, spans: list[tuple[int, int, int, list[int] | torch.Tensor]]):
+        """spans: (first row, rows, first position, block table) per sequence element."""
+        tiles, tables = [], []
+        for seq, (row, rows, position, table) in enumerate(spans):
+            tables.append(table.tolist() if isinstance(table, torch.Tensor) else list(table))
+            for start in range(0, rows, TILE_ROWS):
+                tiles.append((row + start, min(TILE_ROWS, rows - start), seq, position + start))
+        width = max((len(t) for t in tables), default=1) or 1
+        self.tables = torch.tensor([t + [0] * (width - len(t)) for t in tables] or [[0]], dtype=torch.int64)
+        self.tiles = torch.tensor(tiles or [(0, 0, 0, 0)], dtype=torch.int64)[:len(tiles)]
+        self.num_tiles = len(tiles)
+        self.max_keys = max((t[3] + t[1] for t in tiles), default=0)
+        # rough cost of each tile (rows x keys): to split a big call evenly over threads
+        self.costs = [t[1] * (t[3] + t[1]) for t in tiles]
+        self.work = sum(self.costs)
+
+    def split(self, parts: int) -> list[tuple[int, int]]:
+        """[begin, end) tile ranges of about equal cost."""
+        bounds, acc, begin = [], 0, 0
+        share = self.work / parts
+        for i, cost in enumerate(self.costs):
+            acc += cost
+            if acc >= share * (len(bounds) + 1) and len(bounds) < parts - 1:
+                bounds.append((begin, i + 1))
+                begin = i + 1
+        bounds.append((begin, self.num_tiles))
+        return [b for b in bounds if b[0] < b[1]]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: Tiles,
+                    scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [N, H, D] (bf16 or fp32); k_cache, v_cache [num_blocks, block_size, Hkv, D] (bf16 or fp32).
+    Returns [N, H, D] in q's dtype; rows outside every tile are left as they were in `out`."""
+    global _pool
+    lib = library()
+    num_rows, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = heads // kv_heads
+    if (q.dtype not in (torch.bfloat16, torch.float32) or k_cache.dtype not in (torch.bfloat16, torch.float32)
+            or not q.is_contiguous() or not k_cache.is_contiguous() or not v_cache.is_contiguous()):
+        raise ValueError("paged_attention wants contiguous bf16/fp32 q and caches")
+    out = torch.empty_like(q) if out is None else out
+    if tiles.num_tiles == 0:
+        return out
+    rows = min(TILE_ROWS, max(int(r) for r in tiles.tiles[:, 1]))
+    padded = -(-tiles.max_keys // 16) * 16
+    scratch_floats = rows * group * (padded + 2 * head_dim) + head_dim * 17 + 64
+    threads = torch.get_num_threads() if tiles.work > PARALLEL_WORK else 1
+    ranges = tiles.split(threads) if threads > 1 else [(0, tiles.num_tiles)]
+    scratch = torch.empty(len(ranges), scratch_floats, dtype=torch.float32)
+    args = (q.data_ptr(), int(q.dtype == torch.bfloat16), k_cache.data_ptr(), v_cache.data_ptr(),
+            int(k_cache.dtype == torch.bfloat16), tiles.tiles.data_ptr())
+
+    def run(part: int) -> int:
+        begin, end = ranges[part]
+        return lib.ember_paged_attention(*args, begin, end, tiles.tables.data_ptr(), tiles.tables.shape[1],
+                                         out.data_ptr(), heads, kv_heads, head_dim, block_size, scale,
+                                         scratch[part].data_ptr())
+
+    if len(ranges) == 1:
+        codes = [run(0)]
+    else:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max(2, os.cpu_count() or 2), thread_name_prefix="ember-attention")
+        codes = list(_pool.map(run, range(len(ranges))))
+    if any(codes):
+        raise ValueError(f"paged_attention: shape not supported (head_dim {head_dim}, group {group})")
+    return out

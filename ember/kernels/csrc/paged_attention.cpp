@@ -1,0 +1,220 @@
+// Paged attention for CPU, batch-invariant by construction (ember/kernels/cpu_attention.py).
+//
+// Every query row is computed by the same arithmetic whatever else shares its call: its
+// scores are a fixed-order dot product (lanes are keys, the sum over dims runs d = 0..D-1),
+// its softmax max is exact, its exponentials come from one polynomial, its sum over keys
+// is 16 lanes (key j in lane j % 16) reduced by a fixed tree, and its weighted sum of
+// values runs over keys in order. So a token's output is the same bits alone or batched,
+// in a whole prompt, a chunk, behind a cached prefix, a decode step or a speculative verify
+// step. Built with -ffp-contract=off and no fast-math: every lane is plain IEEE mul/add, so
+// an AVX-512 and an AVX2 build give the same bits too.
+//
+// Layouts: q, out [N, H, D]; caches [num_blocks, block_size, Hkv, D]; a tile is up to
+// TILE_ROWS consecutive rows of one sequence at consecutive positions; row i of a tile
+// sees keys 0 .. first_pos + i.
+#include <cstdint>
+#include <cstring>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+typedef uint32_t u16v __attribute__((vector_size(64)));
+
+static const int LANES = 16;
+
+static inline v16 splat(float f) {
+    v16 v = {};
+    return v + f;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch's .to(bfloat16)
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+template <bool BF16>
+static inline void load_row(const void* base, int64_t index, int64_t d, float* dst) {
+    if (BF16) {
+        const uint16_t* src = (const uint16_t*)base + index * d;
+        for (int64_t i = 0; i < d; ++i) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        std::memcpy(dst, (const float*)base + index * d, d * sizeof(float));
+    }
+}
+
+// exp(x) for x <= 0 (softmax arguments), one polynomial for every lane
+static inline v16 vexp(v16 x) {
+    const v16 lo = splat(-87.0f);
+    x = x < lo ? lo : x;
+    const v16 fx = x * 1.44269504088896341f;  // x / ln 2
+    const v16 half = fx < 0 ? splat(-0.5f) : splat(0.5f);
+    i16v n = __builtin_convertvector(fx + half, i16v);  // round half away from zero
+    v16 nf = __builtin_convertvector(n, v16);
+    v16 r = x - nf * 0.693359375f;  // ln 2 split in two: the first part is exact times n
+    r = r - nf * -2.12194440e-4f;
+    v16 p = splat(1.9875691500e-4f);  // Cephes expf's minimax polynomial on [-ln2/2, ln2/2]
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    u16v bits = (u16v)((n + 127) << 23);  // 2^n
+    v16 scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    return p * scale;
+}
+
+static inline float lane_sum(v16 v) {  // fixed tree: 16 -> 8 -> 4 -> 2 -> 1
+    float a[LANES];
+    std::memcpy(a, &v, sizeof(a));
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; ++i) a[i] = a[i] + a[i + w];
+    return a[0];
+}
+
+struct Shape {
+    int64_t heads, kv_heads, head_dim, block_size, table_width;
+    float scale;
+};
+
+// One tile, one KV head. scratch: rows * group * keys_padded scores, then keys_padded * D.
+template <bool QBF16, bool KVBF16>
+static void tile_head(const void* q, const void* k_cache, const void* v_cache, const int64_t* table,
+                      int64_t row0, int64_t rows, int64_t first_pos, int64_t h, const Shape& s,
+                      void* out, float* scratch) {
+    const int64_t D = s.head_dim, G = s.heads / s.kv_heads, Hkv = s.kv_heads, BS = s.block_size;
+    const int64_t num_keys = first_pos + rows;
+    const int64_t padded = (num_keys + LANES - 1) / LANES * LANES;
+    const int64_t qrows = rows * G;
+    float* scores = scratch;                      // [qrows, padded]
+    float* qs = scores + qrows * padded;          // [qrows, D] scaled queries
+    float* kt = qs + qrows * D;                   // [D, 16] one block of keys, transposed
+    float* vrow = kt + D * LANES;                 // [D]
+    float* acc = vrow + D;                        // [qrows, D]
+    for (int64_t i = 0; i < rows; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+            float* dst = qs + (i * G + g) * D;
+            load_row<QBF16>(q, (row0 + i) * s.heads + h * G + g, D, dst);
+            for (int64_t d = 0; d < D; ++d) dst[d] = dst[d] * s.scale;
+        }
+    // scores, sixteen keys at a time
+    for (int64_t j0 = 0; j0 < padded; j0 += LANES) {
+        for (int64_t l = 0; l < LANES; ++l) {
+            const int64_t j = j0 + l;
+            float krow[512];
+            if (j < num_keys) {
+                const int64_t slot = table[j / BS] * BS + j % BS;
+                load_row<KVBF16>(k_cache, slot * Hkv + h, D, krow);
+            } else {
+                for (int64_t d = 0; d < D; ++d) krow[d] = 0.0f;
+            }
+            for (int64_t d = 0; d < D; ++d) kt[d * LANES + l] = krow[d];
+        }
+        for (int64_t i = 0; i < rows; ++i) {
+            if (j0 > first_pos + i) continue;  // every key of the block is past this row
+            for (int64_t g = 0; g < G; ++g) {
+                const float* qv = qs + (i * G + g) * D;
+                v16 a = {};
+                for (int64_t d = 0; d < D; ++d) {
+                    v16 kd;
+                    std::memcpy(&kd, kt + d * LANES, sizeof(kd));
+                    a = a + qv[d] * kd;
+                }
+                std::memcpy(scores + (i * G + g) * padded + j0, &a, sizeof(a));
+            }
+        }
+    }
+    // softmax numerators in place, and their sums
+    float sums[4096];
+    for (int64_t i = 0; i < rows; ++i) {
+        const int64_t seen = first_pos + i + 1;
+        for (int64_t g = 0; g < G; ++g) {
+            float* sc = scores + (i * G + g) * padded;
+            float m = sc[0];
+            for (int64_t j = 1; j < seen; ++j) m = sc[j] > m ? sc[j] : m;
+            v16 total = {};
+            for (int64_t j0 = 0; j0 < seen; j0 += LANES) {
+                v16 x;
+                std::memcpy(&x, sc + j0, sizeof(x));
+                v16 e = vexp(x - m);
+                if (j0 + LANES > seen) {  // the row's last block: keys past it weigh nothing
+                    float tmp[LANES];
+                    std::memcpy(tmp, &e, sizeof(tmp));
+                    for (int64_t l = seen - j0; l < LANES; ++l) tmp[l] = 0.0f;
+                    std::memcpy(&e, tmp, sizeof(e));
+                }
+                std::memcpy(sc + j0, &e, sizeof(e));
+                total = total + e;
+            }
+            sums[i * G + g] = lane_sum(total);
+        }
+    }
+    // probabilities times values, keys in order
+    std::memset(acc, 0, qrows * D * sizeof(float));
+    for (int64_t j = 0; j < num_keys; ++j) {
+        const int64_t slot = table[j / BS] * BS + j % BS;
+        load_row<KVBF16>(v_cache, slot * Hkv + h, D, vrow);
+        const int64_t first_row = j > first_pos ? j - first_pos : 0;  // rows that see key j
+        for (int64_t i = first_row; i < rows; ++i)
+            for (int64_t g = 0; g < G; ++g) {
+                const float p = scores[(i * G + g) * padded + j];
+                float* a = acc + (i * G + g) * D;
+                for (int64_t d = 0; d < D; ++d) a[d] = a[d] + p * vrow[d];
+            }
+    }
+    for (int64_t i = 0; i < rows; ++i)
+        for (int64_t g = 0; g < G; ++g) {
+            const float total = sums[i * G + g];
+            const float* a = acc + (i * G + g) * D;
+            const int64_t index = ((row0 + i) * s.heads + h * G + g) * D;
+            if (QBF16) {
+                uint16_t* o = (uint16_t*)out + index;
+                for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(a[d] / total);
+            } else {
+                float* o = (float*)out + index;
+                for (int64_t d = 0; d < D; ++d) o[d] = a[d] / total;
+            }
+        }
+}
+
+extern "C" {
+
+// tiles [T, 4]: (first row, rows, sequence, first position); tables [S, table_width].
+// Computes tiles [tile_begin, tile_end) for every KV head. Returns 0, or -1 on a shape it
+// does not take (the caller checks these first).
+int ember_paged_attention(const void* q, int q_bf16, const void* k_cache, const void* v_cache, int kv_bf16,
+                          const int64_t* tiles, int64_t tile_begin, int64_t tile_end,
+                          const int64_t* tables, int64_t table_width, void* out,
+                          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                          float scale, float* scratch) {
+    if (head_dim > 512 || head_dim <= 0 || kv_heads <= 0 || heads % kv_heads) return -1;
+    Shape s{heads, kv_heads, head_dim, block_size, table_width, scale};
+    for (int64_t t = tile_begin; t < tile_end; ++t) {
+        const int64_t* tile = tiles + 4 * t;
+        if (tile[1] * (heads / kv_heads) > 4096) return -1;
+        const int64_t* table = tables + tile[2] * table_width;
+        for (int64_t h = 0; h < kv_heads; ++h) {
+            if (q_bf16 && kv_bf16)
+                tile_head<true, true>(q, k_cache, v_cache, table, tile[0], tile[1], tile[3], h, s, out, scratch);
+            else if (q_bf16)
+                tile_head<true, false>(q, k_cache, v_cache, table, tile[0], tile[1], tile[3], h, s, out, scratch);
+            else if (kv_bf16)
+                tile_head<false, true>(q, k_cache, v_cache, table, tile[0], tile[1], tile[3], h, s, out, scratch);
+            else
+                tile_head<false, false>(q, k_cache, v_cache, table, tile[0], tile[1], tile[3], h, s, out, scratch);
+        }
+    }
+    return 0;
+}
+
+}  // extern "C"
