@@ -9,9 +9,13 @@ COPY proto ./proto
 COPY ember ./ember
 COPY services ./services
 COPY configs ./configs
-RUN pip install --extra-index-url https://download.pytorch.org/whl/cpu . \
+# g++ builds the C++ paged-attention kernel (ember/kernels/cpu_attention.py), here for this CPU
+# and again on first use on a host whose CPU flags differ
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/* \
+ && pip install --extra-index-url https://download.pytorch.org/whl/cpu . \
  && cd / && rm -rf /src \
- && ember fetch-model
+ && ember fetch-model \
+ && python -c "from ember.kernels import cpu_attention; assert cpu_attention.available()"
 WORKDIR /
 EXPOSE 50051 8000 9100
 CMD ["ember", "--help"]
