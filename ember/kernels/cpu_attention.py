@@ -105,10 +105,22 @@ class Tiles:
         self.tables = torch.tensor([t + [0] * (width - len(t)) for t in tables] or [[0]], dtype=torch.int64)
         self.tiles = torch.tensor(tiles or [(0, 0, 0, 0)], dtype=torch.int64)[:len(tiles)]
         self.num_tiles = len(tiles)
+        self.max_rows = max((t[1] for t in tiles), default=0)
         self.max_keys = max((t[3] + t[1] for t in tiles), default=0)
         # rough cost of each tile (rows x keys): to split a big call evenly over threads
         self.costs = [t[1] * (t[3] + t[1]) for t in tiles]
         self.work = sum(self.costs)
+        self._plan: tuple | None = None  # (group, head_dim) -> thread ranges and scratch, made once a step
+
+    def plan(self, group: int, head_dim: int) -> tuple[list[tuple[int, int]], torch.Tensor]:
+        """Tile ranges, one per thread, and their scratch: the same for every layer of the step."""
+        if self._plan is None or self._plan[0] != (group, head_dim):
+            padded = -(-self.max_keys // 16) * 16
+            floats = self.max_rows * group * (padded + head_dim) + head_dim * (16 + padded) + 64
+            threads = torch.get_num_threads() if self.work > PARALLEL_WORK else 1
+            ranges = self.split(threads) if threads > 1 else [(0, self.num_tiles)]
+            self._plan = ((group, head_dim), ranges, torch.empty(len(ranges), floats, dtype=torch.float32))
+        return self._plan[1], self._plan[2]
 
     def split(self, parts: int) -> list[tuple[int, int]]:
         """[begin, end) tile ranges of about equal cost."""
@@ -138,12 +150,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q) if out is None else out
     if tiles.num_tiles == 0:
         return out
-    rows = min(TILE_ROWS, max(int(r) for r in tiles.tiles[:, 1]))
-    padded = -(-tiles.max_keys // 16) * 16
-    scratch_floats = rows * group * (padded + 2 * head_dim) + head_dim * 17 + 64
-    threads = torch.get_num_threads() if tiles.work > PARALLEL_WORK else 1
-    ranges = tiles.split(threads) if threads > 1 else [(0, tiles.num_tiles)]
-    scratch = torch.empty(len(ranges), scratch_floats, dtype=torch.float32)
+    ranges, scratch = tiles.plan(group, head_dim)
     args = (q.data_ptr(), int(q.dtype == torch.bfloat16), k_cache.data_ptr(), v_cache.data_ptr(),
             int(k_cache.dtype == torch.bfloat16), tiles.tiles.data_ptr())
 

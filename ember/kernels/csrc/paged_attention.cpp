@@ -87,7 +87,48 @@ struct Shape {
     float scale;
 };
 
-// One tile, one KV head. scratch: rows * group * keys_padded scores, then keys_padded * D.
+// rows r and r + S of a 16 x 16 block swap their off-diagonal S-wide halves (one transpose stage)
+#define STAGE(S, A, B)                                                                              \
+    {                                                                                               \
+        v16 lo = __builtin_shufflevector(A, B, I0(S, 0), I0(S, 1), I0(S, 2), I0(S, 3), I0(S, 4),     \
+                                         I0(S, 5), I0(S, 6), I0(S, 7), I0(S, 8), I0(S, 9), I0(S, 10), \
+                                         I0(S, 11), I0(S, 12), I0(S, 13), I0(S, 14), I0(S, 15));      \
+        v16 hi = __builtin_shufflevector(A, B, I1(S, 0), I1(S, 1), I1(S, 2), I1(S, 3), I1(S, 4),     \
+                                         I1(S, 5), I1(S, 6), I1(S, 7), I1(S, 8), I1(S, 9), I1(S, 10), \
+                                         I1(S, 11), I1(S, 12), I1(S, 13), I1(S, 14), I1(S, 15));      \
+        A = lo;                                                                                     \
+        B = hi;                                                                                     \
+    }
+#define I0(S, C) (((C) & (S)) ? 16 + (C) - (S) : (C))
+#define I1(S, C) (((C) & (S)) ? 16 + (C) : (C) + (S))
+
+static inline void transpose16(v16* m) {  // m[16] rows -> columns, in registers (exact moves)
+    for (int r = 0; r < 16; ++r)
+        if (!(r & 8)) STAGE(8, m[r], m[r + 8]);
+    for (int r = 0; r < 16; ++r)
+        if (!(r & 4)) STAGE(4, m[r], m[r + 4]);
+    for (int r = 0; r < 16; ++r)
+        if (!(r & 2)) STAGE(2, m[r], m[r + 2]);
+    for (int r = 0; r < 16; ++r)
+        if (!(r & 1)) STAGE(1, m[r], m[r + 1]);
+}
+
+template <bool BF16>
+static inline v16 load16(const void* base, int64_t offset) {  // 16 elements from base + offset
+    v16 v;
+    if (BF16) {
+        typedef uint16_t h16 __attribute__((vector_size(32)));
+        h16 h;
+        std::memcpy(&h, (const uint16_t*)base + offset, sizeof(h));
+        u16v u = __builtin_convertvector(h, u16v) << 16;
+        std::memcpy(&v, &u, sizeof(v));
+    } else {
+        std::memcpy(&v, (const float*)base + offset, sizeof(v));
+    }
+    return v;
+}
+
+// One tile, one KV head. scratch: see tile_scratch_floats.
 template <bool QBF16, bool KVBF16>
 static void tile_head(const void* q, const void* k_cache, const void* v_cache, const int64_t* table,
                       int64_t row0, int64_t rows, int64_t first_pos, int64_t h, const Shape& s,
@@ -99,26 +140,28 @@ static void tile_head(const void* q, const void* k_cache, const void* v_cache, c
     float* scores = scratch;                      // [qrows, padded]
     float* qs = scores + qrows * padded;          // [qrows, D] scaled queries
     float* kt = qs + qrows * D;                   // [D, 16] one block of keys, transposed
-    float* vrow = kt + D * LANES;                 // [D]
-    float* acc = vrow + D;                        // [qrows, D]
+    float* vals = kt + D * LANES;                 // [num_keys, D] values in fp32
     for (int64_t i = 0; i < rows; ++i)
         for (int64_t g = 0; g < G; ++g) {
             float* dst = qs + (i * G + g) * D;
             load_row<QBF16>(q, (row0 + i) * s.heads + h * G + g, D, dst);
             for (int64_t d = 0; d < D; ++d) dst[d] = dst[d] * s.scale;
         }
-    // scores, sixteen keys at a time
+    // scores, sixteen keys at a time: kt[d] holds dim d of the sixteen keys
     for (int64_t j0 = 0; j0 < padded; j0 += LANES) {
-        for (int64_t l = 0; l < LANES; ++l) {
-            const int64_t j = j0 + l;
-            float krow[512];
-            if (j < num_keys) {
-                const int64_t slot = table[j / BS] * BS + j % BS;
-                load_row<KVBF16>(k_cache, slot * Hkv + h, D, krow);
-            } else {
-                for (int64_t d = 0; d < D; ++d) krow[d] = 0.0f;
+        for (int64_t d0 = 0; d0 < D; d0 += LANES) {
+            v16 m[LANES];
+            for (int64_t l = 0; l < LANES; ++l) {
+                const int64_t j = j0 + l;
+                if (j < num_keys) {
+                    const int64_t slot = table[j / BS] * BS + j % BS;
+                    m[l] = load16<KVBF16>(k_cache, (slot * Hkv + h) * D + d0);
+                } else {
+                    m[l] = splat(0.0f);
+                }
             }
-            for (int64_t d = 0; d < D; ++d) kt[d * LANES + l] = krow[d];
+            transpose16(m);
+            std::memcpy(kt + d0 * LANES, m, sizeof(m));
         }
         for (int64_t i = 0; i < rows; ++i) {
             if (j0 > first_pos + i) continue;  // every key of the block is past this row
@@ -159,30 +202,38 @@ static void tile_head(const void* q, const void* k_cache, const void* v_cache, c
             sums[i * G + g] = lane_sum(total);
         }
     }
-    // probabilities times values, keys in order
-    std::memset(acc, 0, qrows * D * sizeof(float));
+    // values in fp32, then each query's probabilities times values, keys in order, summed in registers
     for (int64_t j = 0; j < num_keys; ++j) {
         const int64_t slot = table[j / BS] * BS + j % BS;
-        load_row<KVBF16>(v_cache, slot * Hkv + h, D, vrow);
-        const int64_t first_row = j > first_pos ? j - first_pos : 0;  // rows that see key j
-        for (int64_t i = first_row; i < rows; ++i)
-            for (int64_t g = 0; g < G; ++g) {
-                const float p = scores[(i * G + g) * padded + j];
-                float* a = acc + (i * G + g) * D;
-                for (int64_t d = 0; d < D; ++d) a[d] = a[d] + p * vrow[d];
-            }
+        load_row<KVBF16>(v_cache, slot * Hkv + h, D, vals + j * D);
     }
     for (int64_t i = 0; i < rows; ++i)
         for (int64_t g = 0; g < G; ++g) {
+            const float* p = scores + (i * G + g) * padded;
+            const int64_t seen = first_pos + i + 1;
             const float total = sums[i * G + g];
-            const float* a = acc + (i * G + g) * D;
             const int64_t index = ((row0 + i) * s.heads + h * G + g) * D;
-            if (QBF16) {
-                uint16_t* o = (uint16_t*)out + index;
-                for (int64_t d = 0; d < D; ++d) o[d] = f32_to_bf16(a[d] / total);
-            } else {
-                float* o = (float*)out + index;
-                for (int64_t d = 0; d < D; ++d) o[d] = a[d] / total;
+            for (int64_t d0 = 0; d0 < D; d0 += 4 * LANES) {
+                const int64_t width = D - d0 < 4 * LANES ? D - d0 : 4 * LANES;  // D % 16 == 0
+                v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
+                for (int64_t j = 0; j < seen; ++j) {
+                    const float* v = vals + j * D + d0;
+                    v16 x;
+                    std::memcpy(&x, v, sizeof(x));
+                    a0 = a0 + p[j] * x;
+                    if (width > 16) { std::memcpy(&x, v + 16, sizeof(x)); a1 = a1 + p[j] * x; }
+                    if (width > 32) { std::memcpy(&x, v + 32, sizeof(x)); a2 = a2 + p[j] * x; }
+                    if (width > 48) { std::memcpy(&x, v + 48, sizeof(x)); a3 = a3 + p[j] * x; }
+                }
+                float res[4 * LANES];
+                std::memcpy(res, &a0, sizeof(a0));
+                std::memcpy(res + 16, &a1, sizeof(a1));
+                std::memcpy(res + 32, &a2, sizeof(a2));
+                std::memcpy(res + 48, &a3, sizeof(a3));
+                for (int64_t d = 0; d < width; ++d) {
+                    if (QBF16) ((uint16_t*)out)[index + d0 + d] = f32_to_bf16(res[d] / total);
+                    else ((float*)out)[index + d0 + d] = res[d] / total;
+                }
             }
         }
 }
@@ -197,7 +248,7 @@ int ember_paged_attention(const void* q, int q_bf16, const void* k_cache, const 
                           const int64_t* tables, int64_t table_width, void* out,
                           int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
                           float scale, float* scratch) {
-    if (head_dim > 512 || head_dim <= 0 || kv_heads <= 0 || heads % kv_heads) return -1;
+    if (head_dim > 512 || head_dim <= 0 || head_dim % 16 || kv_heads <= 0 || heads % kv_heads) return -1;
     Shape s{heads, kv_heads, head_dim, block_size, table_width, scale};
     for (int64_t t = tile_begin; t < tile_end; ++t) {
         const int64_t* tile = tiles + 4 * t;
