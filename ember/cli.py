@@ -195,7 +195,7 @@ BENCHES = {"engine": "engine_bench", "disagg": "disagg_bench", "kv": "kv_bench",
            "quality": "quality", "budget": "budget_bench", "served": "served_bench",
            "simulate": "sim_bench", "placement": "placement_bench", "chaos": "chaos", "overload": "overload",
            "security": "security_bench", "constrained": "constrained_bench",
-           "speculative": "speculative_bench"}
+           "speculative": "speculative_bench", "decode": "decode_bench"}
 
 
 def cmd_bench(args) -> int:

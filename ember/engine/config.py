@@ -34,7 +34,7 @@ class EngineSettings(Section):
                                                               "context length")
     threads: int = Field(0, ge=0, description="torch threads of the engine process; 0: one per core")
     speculative_tokens: int | None = Field(None, ge=0, description="prompt-lookup drafts verified per decode "
-                                           "step (exact: tokens unchanged); 0: off; unset: 2 on the "
+                                           "step (exact: tokens unchanged); 0: off; unset: 3 on the "
                                            "batch-invariant bf16 path, off on fp32 (its kernels are not)")
     speculative_max_batch: int = Field(4, gt=0, description="speculate only while at most this many sequences "
                                                             "decode: in bigger steps each draft costs about "

@@ -31,10 +31,10 @@ from ember.model.loader import LoadedModel, load_model
 log = logging.getLogger("ember.engine")
 
 # Drafts per step when the engine speculates by default (batch-invariant path) or a request asks
-# for it on an engine that does not. `ember bench speculative` (k = 1..4, batch 1, q4): 2 is the
-# fastest; torch's int4 kernel costs more per row than a memory-bound one would, so a verify
-# step of 4 or 5 rows costs more than its extra accepted drafts save.
-DEFAULT_SPECULATIVE_TOKENS = 2
+# for it on an engine that does not. `ember bench speculative` (k = 0..4, batch 1, q4, C++ attention):
+# 3 and 4 are the fastest (edit 2.1x, free text 1.5x over k=0, within noise of each other); k=2
+# was when attention was torch ops (each extra row cost about what a token does).
+DEFAULT_SPECULATIVE_TOKENS = 3
 
 
 @dataclass

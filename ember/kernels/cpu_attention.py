@@ -31,7 +31,7 @@ log = logging.getLogger("ember.kernels")
 SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c++17"]
 TILE_ROWS = 16  # query rows of one sequence per kernel tile (their keys are loaded once)
-PARALLEL_WORK = 1 << 17  # rows x keys above which a call is split over threads
+PARALLEL_WORK = 1 << 14  # rows x keys above which a call is split over threads (a batch-1 decode is not)
 MAX_GROUP_ROWS = 4096  # tile rows x query heads per KV head: the kernel's bound
 
 _lock = threading.Lock()
