@@ -74,7 +74,8 @@ def main(args) -> int:
     from ember.model.files import model_folder
     from ember.model.tokenizer import Tokenizer
     tokenizer = Tokenizer.from_folder(model_folder(args.model))
-    ids = tokenizer.encode("The keeper wrote down every ship that passed the lighthouse, its flag and its cargo. " * 200)
+    sentence = "The keeper wrote down every ship that passed the lighthouse, its flag and its cargo. "
+    ids = tokenizer.encode(sentence * 200)
     for context in CONTEXTS:
         progress(f"decode step breakdown at {context} tokens of context")
         prompt = tokenizer.decode(ids[:context])
