@@ -141,7 +141,7 @@ class PagedAttention:
         # the batch-invariant path runs in the C++ kernel when it could be built (None: when available)
         use_kernel = self.batch_invariant and (cpu_attention.available() if kernel is None else kernel)
         self.tiles = self._tiles(prefills, decode) if use_kernel else None
-        if decode is not None:
+        if decode is not None and self.tiles is None:  # the torch recipes' padded tables and masks
             self.decode_tables = self._pad_tables(decode.block_tables)
             max_len = self.decode_tables.shape[1] * self.block_size
             # [B, 1, T, max_len]: True where a key is context of a row's token (at or before it)
