@@ -44,18 +44,20 @@ class Record:
 
 
 class _Timer:
-    """Stamps a streamed response: the first piece sets TTFT, later ones add gaps."""
+    """Stamps a streamed response: the first piece sets TTFT, later ones add gaps, one per token (a
+    piece of n tokens, as a speculative step streams them, adds its gap and n - 1 zero gaps)."""
 
     def __init__(self, record: Record):
         self.record, self.start = record, time.perf_counter()
         self.last = self.start
 
-    def piece(self) -> None:
+    def piece(self, num_tokens: int = 1) -> None:
         now = time.perf_counter()
         if not self.record.ttft_s:
             self.record.ttft_s = now - self.start
         else:
             self.record.gaps_s.append(now - self.last)
+        self.record.gaps_s.extend([0.0] * (num_tokens - 1))
         self.last = now
 
     def done(self) -> Record:
@@ -89,7 +91,7 @@ class EmberCluster:
         timer, text = _Timer(Record(s.session_id)), []
         async for msg in self.stub.Generate(request, timeout=900):
             if msg.token_ids:
-                timer.piece()
+                timer.piece(len(msg.token_ids))
             text.append(msg.text)
             if msg.finished:
                 usage = msg.usage
@@ -144,7 +146,7 @@ class EmberColocated:
         async for out in self.engine.generate(ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True),
                                               uuid.uuid4().hex):
             if out.new_token_ids:
-                timer.piece()
+                timer.piece(len(out.new_token_ids))
             timer.record.cached_tokens = out.cached_tokens
             text.append(out.new_text)
             timer.record.output_tokens = out.completion_tokens
