@@ -128,7 +128,40 @@ static inline v16 load16(const void* base, int64_t offset) {  // 16 elements fro
     return v;
 }
 
-// One tile, one KV head. scratch: see tile_scratch_floats.
+// Scores of NB query heads against sixteen keys (kt: [D, 16]); every accumulator sums over d in order
+template <int NB>
+static inline void qk_block(const float* q, const float* kt, int64_t D, float* out, int64_t out_stride) {
+    v16 a[NB];
+    for (int b = 0; b < NB; ++b) a[b] = splat(0.0f);
+    for (int64_t d = 0; d < D; ++d) {
+        v16 kd;
+        std::memcpy(&kd, kt + d * LANES, sizeof(kd));
+        for (int b = 0; b < NB; ++b) a[b] = a[b] + q[b * D + d] * kd;
+    }
+    for (int b = 0; b < NB; ++b) std::memcpy(out + b * out_stride, &a[b], sizeof(a[b]));
+}
+
+// Probabilities times values for NB query heads (p: their rows, stride p_stride) over keys 0..seen-1 in
+// order, CH chunks of 16 dims from vals (row stride D); res[b * 64 + c * 16 + l]
+template <int NB, int CH>
+static inline void pv_block(const float* p, int64_t p_stride, int64_t seen, const float* vals, int64_t D,
+                            float* res) {
+    v16 a[NB][CH];
+    for (int b = 0; b < NB; ++b)
+        for (int c = 0; c < CH; ++c) a[b][c] = splat(0.0f);
+    for (int64_t j = 0; j < seen; ++j) {
+        v16 x[CH];
+        std::memcpy(x, vals + j * D, sizeof(x));
+        for (int b = 0; b < NB; ++b) {
+            const float pj = p[b * p_stride + j];
+            for (int c = 0; c < CH; ++c) a[b][c] = a[b][c] + pj * x[c];
+        }
+    }
+    for (int b = 0; b < NB; ++b)
+        for (int c = 0; c < CH; ++c) std::memcpy(res + b * 64 + c * LANES, &a[b][c], sizeof(v16));
+}
+
+// One tile, one KV head. scratch: scores, scaled queries, a transposed key block, values (cpu_attention.Tiles.plan).
 template <bool QBF16, bool KVBF16>
 static void tile_head(const void* q, const void* k_cache, const void* v_cache, const int64_t* table,
                       int64_t row0, int64_t rows, int64_t first_pos, int64_t h, const Shape& s,
@@ -163,18 +196,18 @@ static void tile_head(const void* q, const void* k_cache, const void* v_cache, c
             transpose16(m);
             std::memcpy(kt + d0 * LANES, m, sizeof(m));
         }
-        for (int64_t i = 0; i < rows; ++i) {
-            if (j0 > first_pos + i) continue;  // every key of the block is past this row
-            for (int64_t g = 0; g < G; ++g) {
-                const float* qv = qs + (i * G + g) * D;
-                v16 a = {};
-                for (int64_t d = 0; d < D; ++d) {
-                    v16 kd;
-                    std::memcpy(&kd, kt + d * LANES, sizeof(kd));
-                    a = a + qv[d] * kd;
-                }
-                std::memcpy(scores + (i * G + g) * padded + j0, &a, sizeof(a));
-            }
+        // the query heads that see some key of the block, NB at a time: kt[d] is loaded once per NB
+        int64_t r = (j0 > first_pos ? j0 - first_pos : 0) * G;
+        for (; r + 8 <= qrows; r += 8) qk_block<8>(qs + r * D, kt, D, scores + r * padded + j0, padded);
+        switch (qrows - r) {  // the rest in one block (a decode's three heads: one block of 3)
+            case 7: qk_block<7>(qs + r * D, kt, D, scores + r * padded + j0, padded); break;
+            case 6: qk_block<6>(qs + r * D, kt, D, scores + r * padded + j0, padded); break;
+            case 5: qk_block<5>(qs + r * D, kt, D, scores + r * padded + j0, padded); break;
+            case 4: qk_block<4>(qs + r * D, kt, D, scores + r * padded + j0, padded); break;
+            case 3: qk_block<3>(qs + r * D, kt, D, scores + r * padded + j0, padded); break;
+            case 2: qk_block<2>(qs + r * D, kt, D, scores + r * padded + j0, padded); break;
+            case 1: qk_block<1>(qs + r * D, kt, D, scores + r * padded + j0, padded); break;
+            default: break;
         }
     }
     // softmax numerators in place, and their sums
@@ -207,35 +240,34 @@ static void tile_head(const void* q, const void* k_cache, const void* v_cache, c
         const int64_t slot = table[j / BS] * BS + j % BS;
         load_row<KVBF16>(v_cache, slot * Hkv + h, D, vals + j * D);
     }
-    for (int64_t i = 0; i < rows; ++i)
-        for (int64_t g = 0; g < G; ++g) {
-            const float* p = scores + (i * G + g) * padded;
-            const int64_t seen = first_pos + i + 1;
-            const float total = sums[i * G + g];
-            const int64_t index = ((row0 + i) * s.heads + h * G + g) * D;
-            for (int64_t d0 = 0; d0 < D; d0 += 4 * LANES) {
-                const int64_t width = D - d0 < 4 * LANES ? D - d0 : 4 * LANES;  // D % 16 == 0
-                v16 a0 = {}, a1 = {}, a2 = {}, a3 = {};
-                for (int64_t j = 0; j < seen; ++j) {
-                    const float* v = vals + j * D + d0;
-                    v16 x;
-                    std::memcpy(&x, v, sizeof(x));
-                    a0 = a0 + p[j] * x;
-                    if (width > 16) { std::memcpy(&x, v + 16, sizeof(x)); a1 = a1 + p[j] * x; }
-                    if (width > 32) { std::memcpy(&x, v + 32, sizeof(x)); a2 = a2 + p[j] * x; }
-                    if (width > 48) { std::memcpy(&x, v + 48, sizeof(x)); a3 = a3 + p[j] * x; }
+    float res[3 * 64];
+    for (int64_t i = 0; i < rows; ++i) {
+        const int64_t seen = first_pos + i + 1;
+        for (int64_t g0 = 0; g0 < G; g0 += 3) {  // up to three query heads share each value row read
+            const int64_t nb = G - g0 < 3 ? G - g0 : 3;
+            const float* p = scores + (i * G + g0) * padded;
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                const int64_t width = D - d0 < 64 ? D - d0 : 64;  // D % 16 == 0
+                if (width == 64) {
+                    if (nb == 3) pv_block<3, 4>(p, padded, seen, vals + d0, D, res);
+                    else if (nb == 2) pv_block<2, 4>(p, padded, seen, vals + d0, D, res);
+                    else pv_block<1, 4>(p, padded, seen, vals + d0, D, res);
+                } else {
+                    for (int64_t b = 0; b < nb; ++b)
+                        for (int64_t c = 0; c < width; c += LANES)
+                            pv_block<1, 1>(p + b * padded, padded, seen, vals + d0 + c, D, res + b * 64 + c);
                 }
-                float res[4 * LANES];
-                std::memcpy(res, &a0, sizeof(a0));
-                std::memcpy(res + 16, &a1, sizeof(a1));
-                std::memcpy(res + 32, &a2, sizeof(a2));
-                std::memcpy(res + 48, &a3, sizeof(a3));
-                for (int64_t d = 0; d < width; ++d) {
-                    if (QBF16) ((uint16_t*)out)[index + d0 + d] = f32_to_bf16(res[d] / total);
-                    else ((float*)out)[index + d0 + d] = res[d] / total;
+                for (int64_t b = 0; b < nb; ++b) {
+                    const float total = sums[i * G + g0 + b];
+                    const int64_t index = ((row0 + i) * s.heads + h * G + g0 + b) * D + d0;
+                    for (int64_t d = 0; d < width; ++d) {
+                        if (QBF16) ((uint16_t*)out)[index + d] = f32_to_bf16(res[b * 64 + d] / total);
+                        else ((float*)out)[index + d] = res[b * 64 + d] / total;
+                    }
                 }
             }
         }
+    }
 }
 
 extern "C" {
