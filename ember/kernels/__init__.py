@@ -1,6 +1,9 @@
 """Kernel choices, made in one place: `optimize(model)` swaps in the fastest available ops."""
 from __future__ import annotations
 
+import torch
+
+from ember.kernels import cpu_norm
 from ember.kernels.cpu_int4 import Int4Linear
 from ember.kernels.cpu_linear import pack_linears
 
@@ -12,4 +15,10 @@ def optimize(model) -> list[str]:
         applied.append("onednn-packed-linear")
     if any(isinstance(m, Int4Linear) for m in model.modules()):  # the loader put them in (weights="q4")
         applied.append("int4-batch-invariant")
+    norms = [m for m in model.modules() if hasattr(m, "kernel") and isinstance(getattr(m, "weight", None), torch.Tensor)
+             and cpu_norm.fits(m.weight)]  # the bf16 RMSNorms (the fp32 path keeps F.rms_norm: = transformers)
+    for m in norms:
+        m.kernel = cpu_norm.rms_norm
+    if norms:
+        applied.append("cpp-rms-norm")
     return applied

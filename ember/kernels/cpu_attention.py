@@ -1,93 +1,23 @@
-"""Paged attention on CPU in a small C++ kernel (csrc/paged_attention.cpp), batch-invariant by
-construction: every query row is computed by one fixed sequence of IEEE operations, whatever
-shares its call, so prefill, chunked prefill, cached-prefix tails, decode and speculative
-verify steps give a token the same bits. It reads K/V straight from the paged cache (no
-gather), shares each key between the query heads of its group, and never pads queries.
-
-Built on first use with the system C++ compiler into the user cache, keyed by the source and
-the CPU's flags (`-march=native`; -ffp-contract=off and no fast-math keep the bits the same on
-any x86 build), and called through ctypes, which releases the GIL: big calls are split over
-`torch.get_num_threads()` Python threads. Without a compiler the engine keeps its torch path.
+"""Paged attention on CPU in a small C++ kernel (csrc/cpu_kernels.cpp, built by ember.kernels.native),
+batch-invariant by construction: every query row is computed by one fixed sequence of IEEE
+operations, whatever shares its call, so prefill, chunked prefill, cached-prefix tails, decode and
+speculative verify steps give a token the same bits. It reads K/V straight from the paged cache (no
+gather), shares each key between the query heads of its group, and never pads queries. ctypes
+releases the GIL: big calls are split over `torch.get_num_threads()` Python threads.
 """
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import tempfile
-import threading
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 
-from ember.cache import cache_dir
+from ember.kernels.native import available, library  # noqa: F401  (available: re-exported)
 
-log = logging.getLogger("ember.kernels")
-
-SOURCE = Path(__file__).with_name("csrc") / "paged_attention.cpp"
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c++17"]
 TILE_ROWS = 16  # query rows of one sequence per kernel tile (their keys are loaded once)
 PARALLEL_WORK = 1 << 14  # rows x keys above which a call is split over threads (a batch-1 decode is not)
-MAX_GROUP_ROWS = 4096  # tile rows x query heads per KV head: the kernel's bound
 
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_failed = False
 _pool: ThreadPoolExecutor | None = None
-
-
-def _cpu_key() -> str:
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        flags = ""
-    return hashlib.sha256(flags.encode()).hexdigest()[:12]
-
-
-def _build(target: Path) -> None:
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        raise RuntimeError("no C++ compiler (g++) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
-        tmp = Path(work) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, text=True)
-        os.replace(tmp, target)  # atomic: a concurrent builder's copy is as good
-
-
-def library() -> ctypes.CDLL | None:
-    """The built kernel, or None when it cannot be built here (logged once)."""
-    global _library, _failed
-    with _lock:
-        if _library is not None or _failed:
-            return _library
-        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-        target = cache_dir() / "kernels" / f"paged_attention-{digest}-{_cpu_key()}.so"
-        try:
-            if not target.exists():
-                _build(target)
-            lib = ctypes.CDLL(str(target))
-        except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
-            detail = getattr(e, "stderr", "") or e
-            log.warning("C++ paged attention unavailable, using the torch path: %s", detail)
-            _failed = True
-            return None
-        fn = lib.ember_paged_attention
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
-                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
-                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                       ctypes.c_float, ctypes.c_void_p]
-        _library = lib
-        return lib
-
-
-def available() -> bool:
-    return library() is not None
 
 
 class Tiles:

@@ -30,10 +30,14 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        # set by ember.kernels.optimize on bf16 models: kernel(x, weight, eps), the same formula in one call
+        self.kernel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Normalise in fp32 whatever the serving dtype (as transformers does); one fused
         # op instead of six (this runs 61 times per step).
+        if self.kernel is not None and x.dtype == torch.bfloat16:
+            return self.kernel(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)

@@ -12,6 +12,7 @@
 // Layouts: q, out [N, H, D]; caches [num_blocks, block_size, Hkv, D]; a tile is up to
 // TILE_ROWS consecutive rows of one sequence at consecutive positions; row i of a tile
 // sees keys 0 .. first_pos + i.
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -295,6 +296,27 @@ int ember_paged_attention(const void* q, int q_bf16, const void* k_cache, const 
                 tile_head<false, true>(q, k_cache, v_cache, table, tile[0], tile[1], tile[3], h, s, out, scratch);
             else
                 tile_head<false, false>(q, k_cache, v_cache, table, tile[0], tile[1], tile[3], h, s, out, scratch);
+        }
+    }
+    return 0;
+}
+
+// RMSNorm of bf16 rows with a bf16 weight, as the model's bf16 RMSNorm computes it (normalised in fp32,
+// rounded to bf16, times the weight, rounded again), each row's sum of squares in 16 lanes reduced by
+// the fixed tree: a row's result does not depend on the other rows. dim % 16 == 0; returns -1 otherwise.
+int ember_rms_norm(const uint16_t* x, const uint16_t* weight, uint16_t* out, int64_t rows, int64_t dim, float eps) {
+    if (dim % LANES || dim <= 0) return -1;
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint16_t* row = x + r * dim;
+        v16 acc = {};
+        for (int64_t d = 0; d < dim; d += LANES) {
+            v16 v = load16<true>(row, d);
+            acc = acc + v * v;
+        }
+        const float inv = 1.0f / std::sqrt(lane_sum(acc) / (float)dim + eps);
+        for (int64_t d = 0; d < dim; ++d) {
+            const float h = bf16_to_f32(f32_to_bf16(bf16_to_f32(row[d]) * inv));
+            out[r * dim + d] = f32_to_bf16(bf16_to_f32(weight[d]) * h);
         }
     }
     return 0;

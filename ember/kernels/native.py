@@ -1,0 +1,81 @@
+"""The C++ kernels (csrc/cpu_kernels.cpp: paged attention and RMSNorm), built on first use with the
+system C++ compiler into the user cache, keyed by the source, the flags and the CPU's flags
+(`-march=native`; -ffp-contract=off and no fast-math keep the bits the same on any x86 build), and
+called through ctypes, which releases the GIL. Without a compiler the engine keeps its torch paths.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from ember.cache import cache_dir
+
+log = logging.getLogger("ember.kernels")
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c++17"]
+
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_failed = False
+
+
+def _cpu_key() -> str:
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = ""
+    return hashlib.sha256(flags.encode()).hexdigest()[:12]
+
+
+def _build(target: Path) -> None:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        tmp = Path(work) / target.name
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, text=True)
+        os.replace(tmp, target)  # atomic: a concurrent builder's copy is as good
+
+
+def library() -> ctypes.CDLL | None:
+    """The built kernels, or None when they cannot be built here (logged once)."""
+    global _library, _failed
+    with _lock:
+        if _library is not None or _failed:
+            return _library
+        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+        target = cache_dir() / "kernels" / f"cpu_kernels-{digest}-{_cpu_key()}.so"
+        try:
+            if not target.exists():
+                _build(target)
+            lib = ctypes.CDLL(str(target))
+        except (OSError, RuntimeError, subprocess.CalledProcessError) as e:
+            detail = getattr(e, "stderr", "") or e
+            log.warning("C++ kernels unavailable, using the torch paths: %s", detail)
+            _failed = True
+            return None
+        fn = lib.ember_paged_attention
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                       ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                       ctypes.c_float, ctypes.c_void_p]
+        norm = lib.ember_rms_norm
+        norm.restype = ctypes.c_int
+        norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                         ctypes.c_float]
+        _library = lib
+        return lib
+
+
+def available() -> bool:
+    return library() is not None
