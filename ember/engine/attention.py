@@ -139,7 +139,7 @@ class PagedAttention:
         # None: the served bf16 path is batch-invariant, the fp32 reference path keeps SDPA
         self.batch_invariant = cache.dtype != torch.float32 if batch_invariant is None else batch_invariant
         # the batch-invariant path runs in the C++ kernel when it could be built (None: when available)
-        use_kernel = self.batch_invariant and (cpu_attention.available() if kernel is None else kernel)
+        use_kernel = self.batch_invariant and (cpu_attention.fits(cache.layout.head_dim) if kernel is None else kernel)
         self.tiles = self._tiles(prefills, decode) if use_kernel else None
         if decode is not None and self.tiles is None:  # the torch recipes' padded tables and masks
             self.decode_tables = self._pad_tables(decode.block_tables)

@@ -65,12 +65,19 @@ class Tiles:
         return [b for b in bounds if b[0] < b[1]]
 
 
+def fits(head_dim: int) -> bool:
+    """Whether heads of this size can run in the kernel here."""
+    return head_dim % 16 == 0 and head_dim <= 512 and available()
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: Tiles,
                     scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
     """q [N, H, D] (bf16 or fp32); k_cache, v_cache [num_blocks, block_size, Hkv, D] (bf16 or fp32).
     Returns [N, H, D] in q's dtype; rows outside every tile are left as they were in `out`."""
     global _pool
     lib = library()
+    if lib is None:
+        raise RuntimeError("the C++ kernels are unavailable here (see the log): use the torch recipe")
     num_rows, heads, head_dim = q.shape
     _, block_size, kv_heads, _ = k_cache.shape
     group = heads // kv_heads

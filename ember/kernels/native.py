@@ -52,9 +52,9 @@ def library() -> ctypes.CDLL | None:
     with _lock:
         if _library is not None or _failed:
             return _library
-        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-        target = cache_dir() / "kernels" / f"cpu_kernels-{digest}-{_cpu_key()}.so"
         try:
+            digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+            target = cache_dir() / "kernels" / f"cpu_kernels-{digest}-{_cpu_key()}.so"
             if not target.exists():
                 _build(target)
             lib = ctypes.CDLL(str(target))

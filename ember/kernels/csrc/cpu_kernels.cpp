@@ -54,8 +54,9 @@ static inline void load_row(const void* base, int64_t index, int64_t d, float* d
 
 // exp(x) for x <= 0 (softmax arguments), one polynomial for every lane
 static inline v16 vexp(v16 x) {
-    const v16 lo = splat(-87.0f);
+    const v16 lo = splat(-87.0f), zero = splat(0.0f);
     x = x < lo ? lo : x;
+    x = x > zero ? zero : x;  // only keys past a row's position (weights set to 0 after) are > 0
     const v16 fx = x * 1.44269504088896341f;  // x / ln 2
     const v16 half = fx < 0 ? splat(-0.5f) : splat(0.5f);
     i16v n = __builtin_convertvector(fx + half, i16v);  // round half away from zero
@@ -88,17 +89,21 @@ struct Shape {
     float scale;
 };
 
-// rows r and r + S of a 16 x 16 block swap their off-diagonal S-wide halves (one transpose stage)
-#define STAGE(S, A, B)                                                                              \
-    {                                                                                               \
-        v16 lo = __builtin_shufflevector(A, B, I0(S, 0), I0(S, 1), I0(S, 2), I0(S, 3), I0(S, 4),     \
-                                         I0(S, 5), I0(S, 6), I0(S, 7), I0(S, 8), I0(S, 9), I0(S, 10), \
-                                         I0(S, 11), I0(S, 12), I0(S, 13), I0(S, 14), I0(S, 15));      \
-        v16 hi = __builtin_shufflevector(A, B, I1(S, 0), I1(S, 1), I1(S, 2), I1(S, 3), I1(S, 4),     \
-                                         I1(S, 5), I1(S, 6), I1(S, 7), I1(S, 8), I1(S, 9), I1(S, 10), \
-                                         I1(S, 11), I1(S, 12), I1(S, 13), I1(S, 14), I1(S, 15));      \
-        A = lo;                                                                                     \
-        B = hi;                                                                                     \
+// rows r and r + S of a 16 x 16 block swap their off-diagonal S-wide halves (one transpose stage).
+// GCC's __builtin_shuffle exists since GCC 4.7 (__builtin_shufflevector only since 12); clang has the latter.
+#if defined(__clang__)
+#define SHUFFLE(A, B, S, I) __builtin_shufflevector(A, B, I(S, 0), I(S, 1), I(S, 2), I(S, 3), I(S, 4), I(S, 5), \
+    I(S, 6), I(S, 7), I(S, 8), I(S, 9), I(S, 10), I(S, 11), I(S, 12), I(S, 13), I(S, 14), I(S, 15))
+#else
+#define SHUFFLE(A, B, S, I) __builtin_shuffle(A, B, (i16v){I(S, 0), I(S, 1), I(S, 2), I(S, 3), I(S, 4), I(S, 5), \
+    I(S, 6), I(S, 7), I(S, 8), I(S, 9), I(S, 10), I(S, 11), I(S, 12), I(S, 13), I(S, 14), I(S, 15)})
+#endif
+#define STAGE(S, A, B)                 \
+    {                                  \
+        v16 lo = SHUFFLE(A, B, S, I0); \
+        v16 hi = SHUFFLE(A, B, S, I1); \
+        A = lo;                        \
+        B = hi;                        \
     }
 #define I0(S, C) (((C) & (S)) ? 16 + (C) - (S) : (C))
 #define I1(S, C) (((C) & (S)) ? 16 + (C) : (C) + (S))
