@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
@@ -62,15 +63,34 @@ class DecodeBatch:
     def __post_init__(self):
         if self.query_lens is None:
             self.query_lens = torch.ones_like(self.token_indices)
-        width = int(self.query_lens.max())
-        steps = torch.arange(width)
-        # [B, T]: each sequence's rows in the step (a shorter one repeats its last), and which are real
-        self.valid = steps[None, :] < self.query_lens[:, None]
-        self.rows = self.token_indices[:, None] + torch.minimum(steps[None, :], self.query_lens[:, None] - 1)
-        # [B, T]: each row's position (its token sees the keys up to it)
-        self.positions = self.context_lens[:, None] - self.query_lens[:, None] + self.rows - self.token_indices[:, None]
-        self.flat_rows = self.rows[self.valid]  # the step's decode rows, in order
-        self.dense = bool(self.valid.all())  # every sequence has `width` new tokens (plain decode: 1)
+
+    # The row layout below is only the torch recipes' (the C++ kernel takes query_lens as they are):
+    # derived on first use, not on every step.
+    @cached_property
+    def valid(self) -> torch.Tensor:
+        """[B, T]: which of each sequence's T = max(query_lens) rows are real."""
+        return torch.arange(int(self.query_lens.max()))[None, :] < self.query_lens[:, None]
+
+    @cached_property
+    def rows(self) -> torch.Tensor:
+        """[B, T]: each sequence's rows in the step (a shorter one repeats its last)."""
+        steps = torch.arange(self.valid.shape[1])
+        return self.token_indices[:, None] + torch.minimum(steps[None, :], self.query_lens[:, None] - 1)
+
+    @cached_property
+    def positions(self) -> torch.Tensor:
+        """[B, T]: each row's position (its token sees the keys up to it)."""
+        return self.context_lens[:, None] - self.query_lens[:, None] + self.rows - self.token_indices[:, None]
+
+    @cached_property
+    def flat_rows(self) -> torch.Tensor:
+        """The step's decode rows, in order."""
+        return self.rows[self.valid]
+
+    @cached_property
+    def dense(self) -> bool:
+        """Every sequence has T new tokens (plain decode: 1)."""
+        return bool(self.valid.all())
 
 
 def _align(n: int) -> int:

@@ -28,8 +28,8 @@ class ModelRunner:
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
             start = seq.num_computed_tokens
             offset = len(input_ids)
-            tokens = seq.token_ids + seq.draft_token_ids if seq.draft_token_ids else seq.token_ids
-            input_ids.extend(tokens[start:start + n])
+            new = seq.token_ids[start:start + n]
+            input_ids.extend((new + seq.draft_token_ids)[:n] if seq.draft_token_ids else new)
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))

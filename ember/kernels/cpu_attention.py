@@ -71,9 +71,9 @@ def fits(head_dim: int) -> bool:
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tiles: Tiles,
-                    scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float) -> torch.Tensor:
     """q [N, H, D] (bf16 or fp32); k_cache, v_cache [num_blocks, block_size, Hkv, D] (bf16 or fp32).
-    Returns [N, H, D] in q's dtype; rows outside every tile are left as they were in `out`."""
+    Returns [N, H, D] in q's dtype (the tiles cover every row)."""
     global _pool
     lib = library()
     if lib is None:
@@ -84,7 +84,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if (q.dtype not in (torch.bfloat16, torch.float32) or k_cache.dtype not in (torch.bfloat16, torch.float32)
             or not q.is_contiguous() or not k_cache.is_contiguous() or not v_cache.is_contiguous()):
         raise ValueError("paged_attention wants contiguous bf16/fp32 q and caches")
-    out = torch.empty_like(q) if out is None else out
+    out = torch.empty_like(q)
     if tiles.num_tiles == 0:
         return out
     ranges, scratch = tiles.plan(group, head_dim)
