@@ -5,7 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from ember.kernels.cpu_int4 import INT4_MAX_ROWS, Int4Linear, Int4Logits
+from ember.kernels.cpu_int4 import INT4_MAX_ROWS, Int4Linear, Int4Logits, _int4_mm
+
+SKIP_NO_KERNEL = "the C++ kernels do not build here (test_paged_attention.py's build test fails instead)"
 
 
 @pytest.fixture(scope="module")
@@ -28,21 +30,76 @@ def test_q4_codes_are_the_gguf_weights_exactly(q4_weights, model_path, name):
     np.testing.assert_array_equal(w.dequantize(), dense)
 
 
-def test_int4_linear_takes_the_int4_kernel_at_every_size_and_rows_do_not_depend_on_it(q4_weights):
+@pytest.mark.parametrize("native", [True, False], ids=["cpp-kernel", "torch-kernel"])
+def test_int4_linear_takes_the_int4_kernel_at_every_size_and_rows_do_not_depend_on_it(q4_weights, native):
+    from ember.kernels import cpu_q4
+    if native and not cpu_q4.fits(64, 32):
+        pytest.skip(SKIP_NO_KERNEL)
     w = q4_weights["model.layers.5.mlp.gate_proj.weight"]
     exact = torch.from_numpy(w.dequantize())
-    layer = Int4Linear(w.codes, w.scale, w.low)
-    x = torch.randn(512, exact.shape[1]).bfloat16()
+    layer = Int4Linear(w.codes, w.scale, w.low, native=native)
+    assert (layer.native is not None) == native
+    x = torch.randn(300, exact.shape[1]).bfloat16()
     alone = torch.cat([layer(x[i:i + 1]) for i in range(16)])  # each row in a step of its own
-    for rows in (2, 3, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 64, 512):
+    for rows in (2, 3, 5, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 64, 65, 300):
         y = layer(x[:rows])
         ref = x[:rows].float() @ exact.T
         assert y.dtype == torch.bfloat16 and y.shape == ref.shape
-        # bf16 scales and outputs: relative error at the bf16 level, not more
+        # bf16 outputs (and bf16 scales or int8 activations): relative error at that level, not more
         assert (y.float() - ref).norm() / ref.norm() < 0.01, rows
         assert torch.equal(y[:16], alone[:rows]), f"a row's output changed in a step of {rows} rows"
-    int4_only = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, 32, layer.scales_and_zeros)
-    assert torch.equal(layer(x), int4_only)  # a big step takes the int4 kernel too
+    if native:  # the kernel's own thread split (by outputs, or by blocks of 64 rows) changes nothing either
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one_thread = layer(x)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one_thread, layer(x))
+    else:
+        int4_only = torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, 32, layer.scales_and_zeros)
+        assert torch.equal(layer(x), int4_only)  # a big step takes the int4 kernel too
+
+
+def _fma(a, b, c):
+    """fp32 a * b + c rounded once (the product is exact in float64)."""
+    return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)
+
+
+def _q4_reference(x: torch.Tensor, codes: np.ndarray, scale: np.ndarray, low: np.ndarray) -> torch.Tensor:
+    """The C++ kernel's arithmetic as csrc/q4_linear.cpp defines it, in numpy, one row at a time."""
+    f32 = np.float32
+    d16, m16 = scale.astype(np.float16).astype(f32), low.astype(np.float16).astype(f32)
+    out = []
+    for row in x.float().numpy():
+        acc = np.zeros(codes.shape[0], f32)
+        for g in range(row.size // 32):
+            v = row[32 * g:32 * g + 32]
+            amax = np.abs(v).max()
+            dx, inv = f32(amax) / f32(127), (f32(127) / f32(amax) if amax > 0 else f32(0))
+            magic = f32(12582912.0)
+            xq = np.clip((v * inv + magic) - magic, -127, 127).astype(np.int64)  # round half to even
+            isum = codes[:, 32 * g:32 * g + 32].astype(np.int64) @ xq
+            xsum = dx * f32(xq.sum())
+            acc = _fma(m16[:, g], np.full_like(acc, xsum), _fma(d16[:, g] * dx, isum.astype(f32), acc))
+        out.append(torch.from_numpy(acc).bfloat16())
+    return torch.stack(out)
+
+
+def test_cpp_int4_kernel_is_its_documented_arithmetic_bit_for_bit(q4_weights):
+    """Every output is the fixed sequence csrc/q4_linear.cpp documents: int8 activations per 32 inputs,
+    exact integer sums, one fma chain over the groups. Checked against a numpy model of it, so a
+    kernel change that moves a bit (a reordered sum, a lost rounding) fails here."""
+    from ember.kernels import cpu_q4
+    if not cpu_q4.fits(64, 32):
+        pytest.skip(SKIP_NO_KERNEL)
+    w = q4_weights["model.layers.7.self_attn.o_proj.weight"]
+    layer = Int4Linear(w.codes, w.scale, w.low, native=True)
+    torch.manual_seed(1)
+    x = torch.randn(5, w.codes.shape[1]).bfloat16()
+    x[1, :32] = 0  # an all-zero group
+    x[2] *= 40  # large activations
+    assert torch.equal(layer(x), _q4_reference(x, w.codes, w.scale, w.low))
 
 
 def test_int4_logits_rescore_nominees_exactly_and_rows_do_not_depend_on_the_batch():
@@ -52,7 +109,7 @@ def test_int4_logits_rescore_nominees_exactly_and_rows_do_not_depend_on_the_batc
     x = torch.randn(1, 64).bfloat16()
     logits = head(x)
     exact = x.float() @ head.weight.float().T
-    approx = torch.ops.aten._weight_int4pack_mm_for_cpu(x, head.packed, 32, head.scales_and_zeros).float()
+    approx = _int4_mm(x, head).float()
     nominees = approx.topk(32).indices[0]
     torch.testing.assert_close(logits[0, nominees], exact[0, nominees], rtol=1e-6, atol=1e-6)
     assert int(logits.argmax()) == int(exact.argmax())

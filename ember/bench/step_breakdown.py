@@ -44,13 +44,8 @@ def _timed(owner, name: str, totals: dict, key, *, instance: bool = False):
 def weight_bytes(model) -> int:
     """Bytes a batch-1 step reads from the weights: every int4 layer's packed codes and scales (the
     output layer's int4 copy included; its exact re-score reads 64 rows) and the norms."""
-    import torch
-    total = 0
-    for module in model.modules():
-        for name in ("packed", "scales_and_zeros"):
-            t = getattr(module, name, None)
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
+    from ember.kernels.cpu_int4 import Int4Linear, Int4Logits
+    total = sum(m.weight_bytes for m in model.modules() if isinstance(m, (Int4Linear, Int4Logits)))
     total += sum(p.numel() * p.element_size() for p in model.parameters() if p.ndim == 1)
     return total
 

@@ -1,4 +1,4 @@
-"""Paged attention on CPU in a small C++ kernel (csrc/cpu_kernels.cpp, built by ember.kernels.native),
+"""Paged attention on CPU in a small C++ kernel (csrc/attention.cpp, built by ember.kernels.native),
 batch-invariant by construction: every query row is computed by one fixed sequence of IEEE
 operations, whatever shares its call, so prefill, chunked prefill, cached-prefix tails, decode and
 speculative verify steps give a token the same bits. It reads K/V straight from the paged cache (no

@@ -1,17 +1,18 @@
-"""Weight-only int4 linear layers for CPU (torch's packed int4 kernels), batch-invariant.
+"""Int4 linear layers for CPU over the GGUF's Q4_1 codes, batch-invariant.
 
 Decode on CPU is bound by reading weights: a batch-1 step reads every weight once. Int4
 codes with group-32 scales read a quarter of bf16's bytes; measured for all SmolLM2
-linears at batch 1: bf16 15.6 ms, int4 5.8 ms. The kernel wants bf16 activations (fp32
-ones fall onto a path 6-20x slower).
+linears at batch 1: bf16 15.6 ms, int4 5.8 ms.
 
-Every step, whatever its size, takes this one kernel, so a token's numbers do not depend
-on how many rows share its step (alone or batched, chunked or not, cached prefix or
-cold). The kernel computes each output in 4-row tiles with a plain fp32 loop over the
-inputs: a row's result is the same bits in a step of 1 row or 2,048 (checked in
-tests/test_int4.py). A faster bf16 GEMM for big steps (oneDNN) rounds differently from
-the int4 kernel and its per-row result changes with the row count, which made greedy
-answers depend on batching; it also needs AVX512/AVX-NE-CONVERT, which not every CPU has.
+Two kernels, chosen once per layer at load: Ember's C++ kernel (ember.kernels.cpu_q4:
+the GGUF's float16 scales as stored, int8 activations, exact integer dot products) where
+it builds, else torch's packed int4 kernel (bf16 scales; wants bf16 activations, fp32
+ones fall onto a path 6-20x slower). Either way every step, whatever its size, takes
+the layer's one kernel, so a token's numbers do not depend on how many rows share its
+step (alone or batched, chunked or not, cached prefix or cold): both compute each row
+on its own, the same bits in a step of 1 row or 2,048 (checked in tests/test_int4.py).
+A faster bf16 GEMM for big steps (oneDNN) rounds differently and its per-row result
+changes with the row count, which made greedy answers depend on batching.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ember.kernels import cpu_q4
 from ember.model.llama import apply_rope
 
 # Steps of at most this many rows skip the module calls (decode_layer). Both ways run the
@@ -40,19 +42,36 @@ def _pack_int4(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> t
 
 
 def _int4_mm(x: torch.Tensor, layer: Int4Linear | Int4Logits) -> torch.Tensor:
+    if layer.native is not None:
+        return cpu_q4.q4_matmul(x, layer.native)
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, layer.packed, layer.group_size, layer.scales_and_zeros)
 
 
+def _kernel_bytes(layer: Int4Linear | Int4Logits) -> int:
+    """Bytes of the layer's int4 weights as its kernel reads them (codes and scales)."""
+    if layer.native is not None:
+        return layer.native.nbytes
+    return layer.packed.numel() * layer.packed.element_size() + layer.scales_and_zeros.numel() * 2
+
+
 class Int4Linear(nn.Module):
-    """y = x @ W.T with W = (codes - 8) * scale + zero per group of 32 inputs (bf16 in and out).
+    """y = x @ W.T with W = codes * scale + low per group of 32 inputs (bf16 in and out).
 
-    Every step takes the int4 kernel (batch-invariant), so no dense copy is kept."""
+    Every step takes the layer's int4 kernel (batch-invariant), so no dense copy is kept."""
 
-    def __init__(self, codes: np.ndarray, scale: np.ndarray, low: np.ndarray, group_size: int = 32):
+    def __init__(self, codes: np.ndarray, scale: np.ndarray, low: np.ndarray, group_size: int = 32,
+                 native: bool | None = None):
+        """native: the C++ kernel (None: where it builds and fits the shape), else torch's."""
         super().__init__()
         self.out_features, self.in_features = codes.shape
         self.group_size = group_size
-        self.packed, self.scales_and_zeros = _pack_int4(*(torch.from_numpy(a) for a in (codes, scale, low)))
+        if native is None:
+            native = group_size == 32 and cpu_q4.fits(self.out_features, self.in_features)
+        self.native = cpu_q4.Q4Pack(codes, scale, low) if native else None
+        if self.native is None:
+            self.packed, self.scales_and_zeros = _pack_int4(*(torch.from_numpy(a) for a in (codes, scale, low)))
+
+    weight_bytes = property(lambda self: _kernel_bytes(self))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
@@ -71,16 +90,23 @@ class Int4Logits(nn.Module):
     the batch size (a dense GEMM for batches would round differently from the 1-row path).
     """
 
-    def __init__(self, weight: torch.Tensor, candidates: int = 64, group_size: int = 32):
+    def __init__(self, weight: torch.Tensor, candidates: int = 64, group_size: int = 32, native: bool | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.group_size, self.candidates = group_size, candidates
         self.weight = weight.to(torch.bfloat16)  # rows for the exact re-score
         groups = self.weight.float().view(self.out_features, -1, group_size)
         low, high = groups.amin(-1), groups.amax(-1)
-        scale = ((high - low) / 15).clamp_min(1e-12)
-        codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15)
-        self.packed, self.scales_and_zeros = _pack_int4(codes.view(self.out_features, -1), scale, low)
+        # float16 scale and min (the C++ kernel's format), codes rounded against them
+        scale, low = ((high - low) / 15).clamp_min(1e-4).half().float(), low.half().float()
+        codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).view(self.out_features, -1)
+        if native is None:
+            native = group_size == 32 and cpu_q4.fits(self.out_features, self.in_features)
+        self.native = cpu_q4.Q4Pack(codes.numpy(), scale.numpy(), low.numpy()) if native else None
+        if self.native is None:
+            self.packed, self.scales_and_zeros = _pack_int4(codes, scale, low)
+
+    weight_bytes = property(lambda self: _kernel_bytes(self))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = _int4_mm(x, self).float()

@@ -1,5 +1,6 @@
-"""The C++ kernels (csrc/cpu_kernels.cpp: paged attention and RMSNorm), built on first use with the
-system C++ compiler into the user cache, keyed by the source, the flags and the CPU's flags
+"""The C++ kernels (csrc/: paged attention and RMSNorm in attention.cpp, int4 linear layers in
+q4_linear.cpp), built on first use with the system C++ compiler into one library in the user cache,
+keyed by the sources, the flags and the CPU's flags
 (`-march=native`; -ffp-contract=off and no fast-math keep the bits the same on any x86 build), and
 called through ctypes, which releases the GIL. Without a compiler the engine keeps its torch paths.
 """
@@ -19,8 +20,9 @@ from ember.cache import cache_dir
 
 log = logging.getLogger("ember.kernels")
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.cpp"
-FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c++17"]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = (CSRC / "attention.cpp", CSRC / "q4_linear.cpp")
+FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c++17", "-pthread"]
 
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
@@ -42,7 +44,8 @@ def _build(target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
         tmp = Path(work) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(tmp)], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(tmp)], check=True, capture_output=True,
+                       text=True)
         os.replace(tmp, target)  # atomic: a concurrent builder's copy is as good
 
 
@@ -53,7 +56,8 @@ def library() -> ctypes.CDLL | None:
         if _library is not None or _failed:
             return _library
         try:
-            digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+            code = b"".join(f.read_bytes() for f in sorted(CSRC.glob("*.*")))  # sources and headers
+            digest = hashlib.sha256(code + " ".join(FLAGS).encode()).hexdigest()[:16]
             target = cache_dir() / "kernels" / f"cpu_kernels-{digest}-{_cpu_key()}.so"
             if not target.exists():
                 _build(target)
@@ -73,6 +77,10 @@ def library() -> ctypes.CDLL | None:
         norm.restype = ctypes.c_int
         norm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                          ctypes.c_float]
+        q4 = lib.ember_q4_linear
+        q4.restype = ctypes.c_int
+        q4.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
         _library = lib
         return lib
 

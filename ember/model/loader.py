@@ -93,8 +93,9 @@ def _use_int4(model: LlamaModel, gguf_path: Path) -> int:
             w = Q4Weight.concat([q4.pop(n) for n in names])
             parent, attr = target.split(".")
             module = getattr(layer, parent)
-            setattr(module, attr, Int4Linear(w.codes, w.scale, w.low))  # the dense weight is dropped
-            read += w.codes.size // 2 + w.scale.size * 4  # int4 codes + bf16 scale and zero per group
+            linear = Int4Linear(w.codes, w.scale, w.low)
+            setattr(module, attr, linear)  # the dense weight is dropped
+            read += linear.weight_bytes
     output = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.lm_head = Int4Logits(output)
     model.small_step, model.small_step_rows = decode_layer, INT4_MAX_ROWS

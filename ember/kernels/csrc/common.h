@@ -1,0 +1,89 @@
+// Helpers shared by the C++ kernels: sixteen-lane float vectors (GCC/clang vector extensions), exact
+// bf16 conversions, a fixed-tree lane sum.
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+typedef uint32_t u16v __attribute__((vector_size(64)));
+
+static const int LANES = 16;
+
+static inline v16 splat(float f) {
+    v16 v = {};
+    return v + f;
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torch's .to(bfloat16)
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);  // NaN stays NaN
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+template <bool BF16>
+static inline void load_row(const void* base, int64_t index, int64_t d, float* dst) {
+    if (BF16) {
+        const uint16_t* src = (const uint16_t*)base + index * d;
+        for (int64_t i = 0; i < d; ++i) dst[i] = bf16_to_f32(src[i]);
+    } else {
+        std::memcpy(dst, (const float*)base + index * d, d * sizeof(float));
+    }
+}
+
+// exp(x) for x <= 0 (softmax arguments), one polynomial for every lane
+static inline v16 vexp(v16 x) {
+    const v16 lo = splat(-87.0f), zero = splat(0.0f);
+    x = x < lo ? lo : x;
+    x = x > zero ? zero : x;  // only keys past a row's position (weights set to 0 after) are > 0
+    const v16 fx = x * 1.44269504088896341f;  // x / ln 2
+    const v16 half = fx < 0 ? splat(-0.5f) : splat(0.5f);
+    i16v n = __builtin_convertvector(fx + half, i16v);  // round half away from zero
+    v16 nf = __builtin_convertvector(n, v16);
+    v16 r = x - nf * 0.693359375f;  // ln 2 split in two: the first part is exact times n
+    r = r - nf * -2.12194440e-4f;
+    v16 p = splat(1.9875691500e-4f);  // Cephes expf's minimax polynomial on [-ln2/2, ln2/2]
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    u16v bits = (u16v)((n + 127) << 23);  // 2^n
+    v16 scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    return p * scale;
+}
+
+static inline float lane_sum(v16 v) {  // fixed tree: 16 -> 8 -> 4 -> 2 -> 1
+    float a[LANES];
+    std::memcpy(a, &v, sizeof(a));
+    for (int w = LANES / 2; w >= 1; w /= 2)
+        for (int i = 0; i < w; ++i) a[i] = a[i] + a[i + w];
+    return a[0];
+}
+
+template <bool BF16>
+static inline v16 load16(const void* base, int64_t offset) {  // 16 elements from base + offset
+    v16 v;
+    if (BF16) {
+        typedef uint16_t h16 __attribute__((vector_size(32)));
+        h16 h;
+        std::memcpy(&h, (const uint16_t*)base + offset, sizeof(h));
+        u16v u = __builtin_convertvector(h, u16v) << 16;
+        std::memcpy(&v, &u, sizeof(v));
+    } else {
+        std::memcpy(&v, (const float*)base + offset, sizeof(v));
+    }
+    return v;
+}

@@ -1,0 +1,85 @@
+// A small pool for kernel calls too short for Python threads (a decode step's linears take 10-100 us
+// each; handing work to a Python thread costs about that much). The caller runs part 0 itself; the
+// workers take the other parts. Between calls a worker spins for SPIN_US on the job counter, so the
+// calls of one decode step find it awake, then sleeps on a condition variable (an idle server costs
+// nothing). One call at a time (a mutex); a forked child starts a pool of its own.
+#pragma once
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+class ThreadPool {
+   public:
+    static const int SPIN_US = 200;
+
+    // run(part) for part = 0 .. parts - 1, part 0 on the calling thread; returns when all are done
+    void run(int parts, const std::function<void(int)>& fn) {
+        if (parts <= 1 || parts > 0xffff) {
+            for (int part = 0; part < parts; ++part) fn(part);
+            return;
+        }
+        std::lock_guard<std::mutex> call(call_mutex_);
+        ensure(parts - 1);
+        {
+            std::lock_guard<std::mutex> lock(mutex_);
+            fn_ = &fn;
+            pending_.store(parts - 1);
+            // the ticket counter carries (job, parts, next part): a late worker's draw can only
+            // ever be a part of the job it names, whose fn_ it then sees
+            ++jobs_;
+            next_.store(jobs_ << 40 | (uint64_t)parts << 24 | 1u);
+            job_.store(jobs_, std::memory_order_release);
+        }
+        wake_.notify_all();
+        fn(0);
+        while (pending_.load(std::memory_order_acquire) > 0) {
+            // the workers' parts are about as long as ours: spin
+        }
+    }
+
+   private:
+    void ensure(int workers) {
+        if (owner_ != getpid()) {  // a fork leaves the parent's threads behind: start over
+            for (auto& t : threads_) t.detach();
+            threads_.clear();
+            owner_ = getpid();
+        }
+        const uint64_t seen = job_.load();  // the job about to be published is new to them
+        while ((int)threads_.size() < workers) threads_.emplace_back([this, seen] { work(seen); });
+    }
+
+    void work(uint64_t seen) {
+        for (;;) {
+            const auto start = std::chrono::steady_clock::now();
+            while (job_.load(std::memory_order_acquire) == seen) {
+                if (std::chrono::steady_clock::now() - start > std::chrono::microseconds(SPIN_US)) {
+                    std::unique_lock<std::mutex> lock(mutex_);
+                    wake_.wait(lock, [&] { return job_.load(std::memory_order_acquire) != seen; });
+                }
+            }
+            seen = job_.load(std::memory_order_acquire);
+            for (;;) {
+                const uint64_t ticket = next_.fetch_add(1);
+                const int parts = (int)(ticket >> 24 & 0xffff), part = (int)(ticket & 0xffffff);
+                if (part >= parts) break;
+                (*fn_)(part);
+                pending_.fetch_sub(1, std::memory_order_release);
+            }
+        }
+    }
+
+    std::mutex call_mutex_, mutex_;
+    std::condition_variable wake_;
+    std::vector<std::thread> threads_;
+    pid_t owner_ = -1;
+    const std::function<void(int)>* fn_ = nullptr;
+    uint64_t jobs_ = 0;
+    std::atomic<int> pending_{0};
+    std::atomic<uint64_t> next_{0}, job_{0};
+};
