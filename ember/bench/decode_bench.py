@@ -5,7 +5,9 @@ paged-attention kernel changed, side by side in one run.
   int4 linears, output layer, attention, the rest, against the time to read the weights once;
 - attention: the C++ kernel (ember.kernels.cpu_attention) against the torch recipe it replaced
   (`PagedAttention(kernel=False)`), the same shapes and data, alternated, best of `reps`: decode at
-  566 and 2,048 keys, batch 1 and 16; prefill of 2,048 uncached tokens.
+  566 and 2,048 keys, batch 1 and 16; prefill of 2,048 uncached tokens;
+- int4: every layer linear of the model (121 calls, weights streamed from memory as in a step) in
+  the C++ int4 kernel (ember.kernels.cpu_q4) against torch's int4 kernel, 1 to 256 rows, alternated.
 Served single-stream and 16-stream decode against llama-server are `ember bench agentic --phases
 single_stream,streams16` (one run, the shipped default config).
 """
@@ -49,6 +51,38 @@ def _attention_pair(context: int, batch: int, prefill: bool, reps: int) -> dict:
             "speedup": round(best["torch"] / best["cpp"], 2)}
 
 
+INT4_ROWS = (1, 4, 16, 64, 256)
+
+
+def _int4_pair(model_path, reps: int) -> dict:
+    import torch
+
+    from ember.kernels.cpu_int4 import Int4Linear
+    from ember.model.gguf_quant import Q4Weight, read_q4_1
+    q4 = read_q4_1(model_path)
+    parts = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
+    layers = {"cpp": [], "torch": []}
+    for i in sorted({int(n.split(".")[2]) for n in q4}):
+        for names in parts:
+            prefix = "self_attn" if names[0].endswith(("q_proj", "o_proj")) else "mlp"
+            w = Q4Weight.concat([q4[f"model.layers.{i}.{prefix}.{n}.weight"] for n in names])
+            for kind in layers:
+                layers[kind].append(Int4Linear(w.codes, w.scale, w.low, native=kind == "cpp"))
+    result = {}
+    for rows in INT4_ROWS:
+        x = {k: torch.randn(rows, k).to(torch.bfloat16) for k in {lay.in_features for lay in layers["cpp"]}}
+        best = {}
+        for _ in range(reps):
+            for kind, stack in layers.items():
+                start = time.perf_counter()
+                for layer in stack:
+                    layer(x[layer.in_features])
+                best[kind] = min(best.get(kind, float("inf")), time.perf_counter() - start)
+        result[f"rows_{rows}"] = {"cpp_ms": round(1000 * best["cpp"], 2), "torch_ms": round(1000 * best["torch"], 2),
+                                  "speedup": round(best["torch"] / best["cpp"], 2)}
+    return result
+
+
 def main(args) -> int:
     import torch
 
@@ -70,6 +104,10 @@ def main(args) -> int:
     result["attention"]["prefill_2048"] = _attention_pair(2048, 1, True, max(1, reps // 3))
     config = load_config(default_config())
     config.model = args.model
+    from ember.kernels import cpu_q4
+    if cpu_q4.fits(64, 32) and str(args.model).endswith(".gguf"):
+        progress("int4 linears: the C++ kernel against torch's, 1-256 rows")
+        result["int4"] = _int4_pair(args.model, max(2, reps // 2))
     settings = engine_settings(config, "decode", config.placement.decode_site)[1]
     from ember.model.files import model_folder
     from ember.model.tokenizer import Tokenizer
