@@ -2,22 +2,18 @@
 batch-invariant by construction: every query row is computed by one fixed sequence of IEEE
 operations, whatever shares its call, so prefill, chunked prefill, cached-prefix tails, decode and
 speculative verify steps give a token the same bits. It reads K/V straight from the paged cache (no
-gather), shares each key between the query heads of its group, and never pads queries. ctypes
-releases the GIL: big calls are split over `torch.get_num_threads()` Python threads.
+gather), shares each key between the query heads of its group, and never pads queries. A call is
+split by (tile, KV head) over the kernels' own C++ worker threads (csrc/thread_pool.h) unless it is
+too small to pay for the hand-off.
 """
 from __future__ import annotations
-
-import os
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from ember.kernels.native import available, library  # noqa: F401  (available: re-exported)
 
 TILE_ROWS = 16  # query rows of one sequence per kernel tile (their keys are loaded once)
-PARALLEL_WORK = 1 << 14  # rows x keys above which a call is split over threads (a batch-1 decode is not)
-
-_pool: ThreadPoolExecutor | None = None
+PARALLEL_WORK = 256  # rows x keys from which a call is split over threads
 
 
 class Tiles:
@@ -37,32 +33,16 @@ class Tiles:
         self.num_tiles = len(tiles)
         self.max_rows = max((t[1] for t in tiles), default=0)
         self.max_keys = max((t[3] + t[1] for t in tiles), default=0)
-        # rough cost of each tile (rows x keys): to split a big call evenly over threads
-        self.costs = [t[1] * (t[3] + t[1]) for t in tiles]
-        self.work = sum(self.costs)
-        self._plan: tuple | None = None  # (group, head_dim) -> thread ranges and scratch, made once a step
+        self.work = sum(t[1] * (t[3] + t[1]) for t in tiles)  # rows x keys: whether to split a call
+        self._scratch: tuple[tuple[int, int], int] | None = None
 
-    def plan(self, group: int, head_dim: int) -> tuple[list[tuple[int, int]], torch.Tensor]:
-        """Tile ranges, one per thread, and their scratch: the same for every layer of the step."""
-        if self._plan is None or self._plan[0] != (group, head_dim):
+    def scratch_floats(self, group: int, head_dim: int) -> int:
+        """Scratch floats one (tile, KV head) pair needs: the same for every layer of the step."""
+        if self._scratch is None or self._scratch[0] != (group, head_dim):
             padded = -(-self.max_keys // 16) * 16
             floats = self.max_rows * group * (padded + head_dim) + head_dim * (16 + padded) + 64
-            threads = torch.get_num_threads() if self.work > PARALLEL_WORK else 1
-            ranges = self.split(threads) if threads > 1 else [(0, self.num_tiles)]
-            self._plan = ((group, head_dim), ranges, torch.empty(len(ranges), floats, dtype=torch.float32))
-        return self._plan[1], self._plan[2]
-
-    def split(self, parts: int) -> list[tuple[int, int]]:
-        """[begin, end) tile ranges of about equal cost."""
-        bounds, acc, begin = [], 0, 0
-        share = self.work / parts
-        for i, cost in enumerate(self.costs):
-            acc += cost
-            if acc >= share * (len(bounds) + 1) and len(bounds) < parts - 1:
-                bounds.append((begin, i + 1))
-                begin = i + 1
-        bounds.append((begin, self.num_tiles))
-        return [b for b in bounds if b[0] < b[1]]
+            self._scratch = ((group, head_dim), floats)
+        return self._scratch[1]
 
 
 def fits(head_dim: int) -> bool:
@@ -74,7 +54,6 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     scale: float) -> torch.Tensor:
     """q [N, H, D] (bf16 or fp32); k_cache, v_cache [num_blocks, block_size, Hkv, D] (bf16 or fp32).
     Returns [N, H, D] in q's dtype (the tiles cover every row)."""
-    global _pool
     lib = library()
     if lib is None:
         raise RuntimeError("the C++ kernels are unavailable here (see the log): use the torch recipe")
@@ -87,22 +66,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     out = torch.empty_like(q)
     if tiles.num_tiles == 0:
         return out
-    ranges, scratch = tiles.plan(group, head_dim)
-    args = (q.data_ptr(), int(q.dtype == torch.bfloat16), k_cache.data_ptr(), v_cache.data_ptr(),
-            int(k_cache.dtype == torch.bfloat16), tiles.tiles.data_ptr())
-
-    def run(part: int) -> int:
-        begin, end = ranges[part]
-        return lib.ember_paged_attention(*args, begin, end, tiles.tables.data_ptr(), tiles.tables.shape[1],
-                                         out.data_ptr(), heads, kv_heads, head_dim, block_size, scale,
-                                         scratch[part].data_ptr())
-
-    if len(ranges) == 1:
-        codes = [run(0)]
-    else:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max(2, os.cpu_count() or 2), thread_name_prefix="ember-attention")
-        codes = list(_pool.map(run, range(len(ranges))))
-    if any(codes):
+    threads = torch.get_num_threads() if tiles.work >= PARALLEL_WORK else 1
+    if lib.ember_paged_attention(q.data_ptr(), int(q.dtype == torch.bfloat16), k_cache.data_ptr(),
+                                 v_cache.data_ptr(), int(k_cache.dtype == torch.bfloat16), tiles.tiles.data_ptr(),
+                                 tiles.num_tiles, tiles.tables.data_ptr(), tiles.tables.shape[1], out.data_ptr(),
+                                 heads, kv_heads, head_dim, block_size, scale,
+                                 tiles.scratch_floats(group, head_dim), threads):
         raise ValueError(f"paged_attention: shape not supported (head_dim {head_dim}, group {group})")
     return out

@@ -12,7 +12,10 @@
 // Layouts: q, out [N, H, D]; caches [num_blocks, block_size, Hkv, D]; a tile is up to
 // TILE_ROWS consecutive rows of one sequence at consecutive positions; row i of a tile
 // sees keys 0 .. first_pos + i.
+#include <vector>
+
 #include "common.h"
+#include "thread_pool.h"
 
 struct Shape {
     int64_t heads, kv_heads, head_dim, block_size, table_width;
@@ -193,31 +196,45 @@ static void tile_head(const void* q, const void* k_cache, const void* v_cache, c
 
 extern "C" {
 
-// tiles [T, 4]: (first row, rows, sequence, first position); tables [S, table_width].
-// Computes tiles [tile_begin, tile_end) for every KV head. Returns 0, or -1 on a shape it
-// does not take (the caller checks these first).
+// tiles [T, 4]: (first row, rows, sequence, first position); tables [S, table_width]. Computes every
+// (tile, KV head) pair, split over `threads` threads (the caller's among them) in ranges of about
+// equal work (rows x keys); each pair is computed alone, so the split changes no bit. scratch_floats:
+// the scratch one pair needs (cpu_attention.Tiles.plan). Returns 0, or -1 on a shape it does not take.
 int ember_paged_attention(const void* q, int q_bf16, const void* k_cache, const void* v_cache, int kv_bf16,
-                          const int64_t* tiles, int64_t tile_begin, int64_t tile_end,
-                          const int64_t* tables, int64_t table_width, void* out,
-                          int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
-                          float scale, float* scratch) {
+                          const int64_t* tiles, int64_t num_tiles, const int64_t* tables, int64_t table_width,
+                          void* out, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                          float scale, int64_t scratch_floats, int threads) {
     if (head_dim > 512 || head_dim <= 0 || head_dim % 16 || kv_heads <= 0 || heads % kv_heads) return -1;
-    Shape s{heads, kv_heads, head_dim, block_size, table_width, scale};
-    for (int64_t t = tile_begin; t < tile_end; ++t) {
-        const int64_t* tile = tiles + 4 * t;
-        if (tile[1] * (heads / kv_heads) > 4096) return -1;
-        const int64_t* table = tables + tile[2] * table_width;
-        for (int64_t h = 0; h < kv_heads; ++h) {
-            if (q_bf16 && kv_bf16)
-                tile_head<true, true>(q, k_cache, v_cache, table, tile[0], tile[1], tile[3], h, s, out, scratch);
-            else if (q_bf16)
-                tile_head<true, false>(q, k_cache, v_cache, table, tile[0], tile[1], tile[3], h, s, out, scratch);
-            else if (kv_bf16)
-                tile_head<false, true>(q, k_cache, v_cache, table, tile[0], tile[1], tile[3], h, s, out, scratch);
-            else
-                tile_head<false, false>(q, k_cache, v_cache, table, tile[0], tile[1], tile[3], h, s, out, scratch);
-        }
+    for (int64_t t = 0; t < num_tiles; ++t)
+        if (tiles[4 * t + 1] * (heads / kv_heads) > 4096) return -1;
+    const Shape s{heads, kv_heads, head_dim, block_size, table_width, scale};
+    const int64_t items = num_tiles * kv_heads;
+    std::vector<double> done(items + 1, 0.0);  // work before each (tile, head) pair
+    for (int64_t i = 0; i < items; ++i) {
+        const int64_t* tile = tiles + 4 * (i / kv_heads);
+        done[i + 1] = done[i] + (double)tile[1] * (double)(tile[3] + tile[1]);
     }
+    const int parts = (int)(threads < items ? threads : items);
+    shared_pool().run(parts, [&](int part) {
+        thread_local std::vector<float> scratch;
+        if ((int64_t)scratch.size() < scratch_floats) scratch.resize(scratch_floats);
+        const double lo = done[items] * part / parts, hi = done[items] * (part + 1) / parts;
+        for (int64_t i = 0; i < items; ++i) {
+            if (done[i] < lo || done[i] >= hi) continue;  // each pair goes to the part where it starts
+            const int64_t* tile = tiles + 4 * (i / kv_heads);
+            const int64_t* table = tables + tile[2] * table_width;
+            const int64_t h = i % kv_heads;
+            float* sc = scratch.data();
+            if (q_bf16 && kv_bf16)
+                tile_head<true, true>(q, k_cache, v_cache, table, tile[0], tile[1], tile[3], h, s, out, sc);
+            else if (q_bf16)
+                tile_head<true, false>(q, k_cache, v_cache, table, tile[0], tile[1], tile[3], h, s, out, sc);
+            else if (kv_bf16)
+                tile_head<false, true>(q, k_cache, v_cache, table, tile[0], tile[1], tile[3], h, s, out, sc);
+            else
+                tile_head<false, false>(q, k_cache, v_cache, table, tile[0], tile[1], tile[3], h, s, out, sc);
+        }
+    });
     return 0;
 }
 

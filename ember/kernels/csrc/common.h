@@ -31,16 +31,6 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torc
     return (uint16_t)(u >> 16);
 }
 
-template <bool BF16>
-static inline void load_row(const void* base, int64_t index, int64_t d, float* dst) {
-    if (BF16) {
-        const uint16_t* src = (const uint16_t*)base + index * d;
-        for (int64_t i = 0; i < d; ++i) dst[i] = bf16_to_f32(src[i]);
-    } else {
-        std::memcpy(dst, (const float*)base + index * d, d * sizeof(float));
-    }
-}
-
 // exp(x) for x <= 0 (softmax arguments), one polynomial for every lane
 static inline v16 vexp(v16 x) {
     const v16 lo = splat(-87.0f), zero = splat(0.0f);
@@ -86,4 +76,17 @@ static inline v16 load16(const void* base, int64_t offset) {  // 16 elements fro
         std::memcpy(&v, (const float*)base + offset, sizeof(v));
     }
     return v;
+}
+
+template <bool BF16>
+static inline void load_row(const void* base, int64_t index, int64_t d, float* dst) {
+    if (BF16) {
+        const uint16_t* src = (const uint16_t*)base + index * d;
+        for (int64_t i = 0; i < d; i += LANES) {  // d % 16 == 0 (checked by the callers)
+            const v16 v = load16<true>(src, i);
+            std::memcpy(dst + i, &v, sizeof(v));
+        }
+    } else {
+        std::memcpy(dst, (const float*)base + index * d, d * sizeof(float));
+    }
 }

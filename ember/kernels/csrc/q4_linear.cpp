@@ -207,7 +207,6 @@ static void rows_block(const uint16_t* x, int64_t rows, int64_t K, const uint8_t
     }
 }
 
-static ThreadPool& pool = *new ThreadPool;  // never destroyed: its threads outlive static destructors
 
 extern "C" {
 
@@ -221,13 +220,13 @@ int ember_q4_linear(const uint16_t* x, int64_t rows, int64_t K, const uint8_t* c
     if (threads < 1) threads = 1;
     if (blocks <= 1) {
         const int parts = (int)(threads < quads ? threads : quads);
-        pool.run(parts, [&](int part) {
+        shared_pool().run(parts, [&](int part) {
             thread_local std::vector<float> scratch;
             rows_block(x, rows, K, codes, dm, N, quads * part / parts, quads * (part + 1) / parts, y, scratch);
         });
     } else {
         const int parts = (int)(threads < blocks ? threads : blocks);
-        pool.run(parts, [&](int part) {
+        shared_pool().run(parts, [&](int part) {
             thread_local std::vector<float> scratch;
             for (int64_t b = blocks * part / parts; b < blocks * (part + 1) / parts; ++b) {
                 const int64_t first = b * BLOCK_ROWS, n = rows - first < BLOCK_ROWS ? rows - first : BLOCK_ROWS;

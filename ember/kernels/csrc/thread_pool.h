@@ -16,7 +16,7 @@
 
 class ThreadPool {
    public:
-    static const int SPIN_US = 200;
+    static const int SPIN_US = 100;
 
     // run(part) for part = 0 .. parts - 1, part 0 on the calling thread; returns when all are done
     void run(int parts, const std::function<void(int)>& fn) {
@@ -38,12 +38,16 @@ class ThreadPool {
         }
         wake_.notify_all();
         fn(0);
-        while (pending_.load(std::memory_order_acquire) > 0) {
-            // the workers' parts are about as long as ours: spin
-        }
+        while (pending_.load(std::memory_order_acquire) > 0) pause();  // their parts are about as long as ours
     }
 
    private:
+    static void pause() {
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+
     void ensure(int workers) {
         if (owner_ != getpid()) {  // a fork leaves the parent's threads behind: start over
             for (auto& t : threads_) t.detach();
@@ -58,6 +62,7 @@ class ThreadPool {
         for (;;) {
             const auto start = std::chrono::steady_clock::now();
             while (job_.load(std::memory_order_acquire) == seen) {
+                pause();
                 if (std::chrono::steady_clock::now() - start > std::chrono::microseconds(SPIN_US)) {
                     std::unique_lock<std::mutex> lock(mutex_);
                     wake_.wait(lock, [&] { return job_.load(std::memory_order_acquire) != seen; });
@@ -83,3 +88,10 @@ class ThreadPool {
     std::atomic<int> pending_{0};
     std::atomic<uint64_t> next_{0}, job_{0};
 };
+
+// The one pool of the library (every kernel file shares it; never destroyed, so its threads outlive
+// static destructors)
+inline ThreadPool& shared_pool() {
+    static ThreadPool* pool = new ThreadPool;
+    return *pool;
+}
