@@ -238,15 +238,27 @@ class LlamaServer:
         await self.session.close()
 
 
+def _amx_host() -> bool:
+    try:
+        return " amx_tile" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def start_llama_server(model: str, slots: int, threads: int, context: int, log: Path) -> tuple[subprocess.Popen, str]:
-    """llama-server on a free port with `slots` parallel slots of `context` tokens each."""
+    """llama-server on a free port with `slots` parallel slots of `context` tokens each.
+
+    On a CPU with AMX, llama.cpp's AMX matmul (an "extra buffer type") segfaulted on its first
+    matmul in this VM; `--no-repack` turns the extra buffer types off, leaving its AVX-512 VNNI
+    Q4_1 path, the one every non-AMX x86 host runs."""
     import urllib.request
 
     from ember.cluster.ports import free_port
     port = free_port()
+    extra = ["--no-repack"] if _amx_host() else []
     with open(log, "ab") as out:
         proc = subprocess.Popen([str(LLAMA_SERVER), "-m", model, "-np", str(slots), "-t", str(threads),
-                                 "-c", str(context * slots), "--port", str(port), "--host", "127.0.0.1"],
+                                 "-c", str(context * slots), "--port", str(port), "--host", "127.0.0.1", *extra],
                                 stdout=out, stderr=subprocess.STDOUT,
                                 env=dict(os.environ, LD_LIBRARY_PATH=str(LLAMA_SERVER.parent)))
     deadline = time.monotonic() + 120
