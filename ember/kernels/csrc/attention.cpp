@@ -214,8 +214,9 @@ int ember_paged_attention(const void* q, int q_bf16, const void* k_cache, const 
         const int64_t* tile = tiles + 4 * (i / kv_heads);
         done[i + 1] = done[i] + (double)tile[1] * (double)(tile[3] + tile[1]);
     }
-    const int parts = (int)(threads < items ? threads : items);
-    shared_pool().run(parts, [&](int part) {
+    // parts of about equal work (rows x keys), more than threads so a free thread can take a slow one's
+    const int parts = (int)(threads <= 1 ? 1 : (items < 4 * threads ? items : 4 * threads));
+    shared_pool().run(parts, threads, [&](int part) {
         thread_local std::vector<float> scratch;
         if ((int64_t)scratch.size() < scratch_floats) scratch.resize(scratch_floats);
         const double lo = done[items] * part / parts, hi = done[items] * (part + 1) / parts;

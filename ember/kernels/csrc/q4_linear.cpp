@@ -199,9 +199,9 @@ static void rows_block(const uint16_t* x, int64_t rows, int64_t K, const uint8_t
         case 7: rows_times_quads<7, 1>(qx, r, codes, dm, y, N, quad_begin, quad_end); break;
         case 6: rows_times_quads<6, 1>(qx, r, codes, dm, y, N, quad_begin, quad_end); break;
         case 5: rows_times_quads<5, 1>(qx, r, codes, dm, y, N, quad_begin, quad_end); break;
-        case 4: rows_times_quads<4, 1>(qx, r, codes, dm, y, N, quad_begin, quad_end); break;
+        case 4: rows_times_quads<4, 2>(qx, r, codes, dm, y, N, quad_begin, quad_end); break;
         case 3: rows_times_quads<3, 2>(qx, r, codes, dm, y, N, quad_begin, quad_end); break;
-        case 2: rows_times_quads<2, 2>(qx, r, codes, dm, y, N, quad_begin, quad_end); break;
+        case 2: rows_times_quads<2, 4>(qx, r, codes, dm, y, N, quad_begin, quad_end); break;
         case 1: rows_times_quads<1, 4>(qx, r, codes, dm, y, N, quad_begin, quad_end); break;
         default: break;
     }
@@ -211,27 +211,26 @@ static void rows_block(const uint16_t* x, int64_t rows, int64_t K, const uint8_t
 extern "C" {
 
 // y [rows, N] = x [rows, K] times the int4 weight, over `threads` threads (the caller's among them):
-// up to BLOCK_ROWS rows split by quads, more split by blocks of rows. K % 32 == 0 and N % 64 == 0,
+// up to BLOCK_ROWS rows split by quads, more by blocks of rows; every output is computed alone, so
+// the split changes no bit. K % 32 == 0 and N % 64 == 0,
 // else returns -1.
 int ember_q4_linear(const uint16_t* x, int64_t rows, int64_t K, const uint8_t* codes, const uint16_t* dm,
                     int64_t N, uint16_t* y, int threads) {
     if (K % 32 || N % QUAD || K <= 0 || rows < 0) return -1;
     const int64_t quads = N / QUAD, blocks = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS;
     if (threads < 1) threads = 1;
-    if (blocks <= 1) {
-        const int parts = (int)(threads < quads ? threads : quads);
-        shared_pool().run(parts, [&](int part) {
+    if (blocks <= 1) {  // by quads: for a decode's few rows, four parts a thread, claimed by whichever is free
+        const int64_t want = rows <= TILE_ROWS ? 4 * threads : threads;  // (each part quantizes the rows again)
+        const int64_t parts = threads == 1 ? 1 : (quads < want ? quads : want);
+        shared_pool().run((int)parts, threads, [&](int part) {
             thread_local std::vector<float> scratch;
             rows_block(x, rows, K, codes, dm, N, quads * part / parts, quads * (part + 1) / parts, y, scratch);
         });
-    } else {
-        const int parts = (int)(threads < blocks ? threads : blocks);
-        shared_pool().run(parts, [&](int part) {
+    } else {  // blocks of BLOCK_ROWS rows
+        shared_pool().run((int)blocks, threads, [&](int part) {
             thread_local std::vector<float> scratch;
-            for (int64_t b = blocks * part / parts; b < blocks * (part + 1) / parts; ++b) {
-                const int64_t first = b * BLOCK_ROWS, n = rows - first < BLOCK_ROWS ? rows - first : BLOCK_ROWS;
-                rows_block(x + first * K, n, K, codes, dm, N, 0, quads, y + first * N, scratch);
-            }
+            const int64_t first = part * BLOCK_ROWS, n = rows - first < BLOCK_ROWS ? rows - first : BLOCK_ROWS;
+            rows_block(x + first * K, n, K, codes, dm, N, 0, quads, y + first * N, scratch);
         });
     }
     return 0;

@@ -1,8 +1,11 @@
 // A small pool for kernel calls too short for Python threads (a decode step's linears take 10-100 us
-// each; handing work to a Python thread costs about that much). The caller runs part 0 itself; the
-// workers take the other parts. Between calls a worker spins for SPIN_US on the job counter, so the
-// calls of one decode step find it awake, then sleeps on a condition variable (an idle server costs
-// nothing). One call at a time (a mutex); a forked child starts a pool of its own.
+// each; handing work to a Python thread costs about that much). A call's parts are claimed from one
+// counter by the caller and the workers alike, so when a worker is slow to wake or has lost its core
+// to another process (prefill and decode share cores), the caller takes the parts it has not
+// claimed instead of waiting for it. Between calls a worker spins for SPIN_US on the job counter, so
+// the calls of one decode step find it awake, then sleeps on a condition variable (an idle server
+// costs nothing); the caller yields its core while it waits for a part a worker is computing. One
+// call at a time (a mutex); a forked child starts a pool of its own.
 #pragma once
 #include <unistd.h>
 
@@ -18,27 +21,31 @@ class ThreadPool {
    public:
     static const int SPIN_US = 100;
 
-    // run(part) for part = 0 .. parts - 1, part 0 on the calling thread; returns when all are done
-    void run(int parts, const std::function<void(int)>& fn) {
-        if (parts <= 1 || parts > 0xffff) {
+    // fn(part) for part = 0 .. parts - 1 on up to `threads` threads, the caller's among them; returns
+    // when all are done
+    void run(int parts, int threads, const std::function<void(int)>& fn) {
+        if (threads <= 1 || parts <= 1 || parts > 0xffff) {
             for (int part = 0; part < parts; ++part) fn(part);
             return;
         }
         std::lock_guard<std::mutex> call(call_mutex_);
-        ensure(parts - 1);
+        ensure(threads - 1);
         {
             std::lock_guard<std::mutex> lock(mutex_);
             fn_ = &fn;
-            pending_.store(parts - 1);
+            pending_.store(parts);
             // the ticket counter carries (job, parts, next part): a late worker's draw can only
             // ever be a part of the job it names, whose fn_ it then sees
             ++jobs_;
-            next_.store(jobs_ << 40 | (uint64_t)parts << 24 | 1u);
+            next_.store(jobs_ << 40 | (uint64_t)parts << 24);
             job_.store(jobs_, std::memory_order_release);
         }
         wake_.notify_all();
-        fn(0);
-        while (pending_.load(std::memory_order_acquire) > 0) pause();  // their parts are about as long as ours
+        claim_parts();
+        for (int spins = 0; pending_.load(std::memory_order_acquire) > 0; ++spins) {
+            if (spins < 2000) pause();
+            else std::this_thread::yield();  // the worker holding the last part lost its core: let it run
+        }
     }
 
    private:
@@ -69,13 +76,17 @@ class ThreadPool {
                 }
             }
             seen = job_.load(std::memory_order_acquire);
-            for (;;) {
-                const uint64_t ticket = next_.fetch_add(1);
-                const int parts = (int)(ticket >> 24 & 0xffff), part = (int)(ticket & 0xffffff);
-                if (part >= parts) break;
-                (*fn_)(part);
-                pending_.fetch_sub(1, std::memory_order_release);
-            }
+            claim_parts();
+        }
+    }
+
+    void claim_parts() {  // run unclaimed parts of the current job until none is left
+        for (;;) {
+            const uint64_t ticket = next_.fetch_add(1);
+            const int parts = (int)(ticket >> 24 & 0xffff), part = (int)(ticket & 0xffffff);
+            if (part >= parts) return;
+            (*fn_)(part);
+            pending_.fetch_sub(1, std::memory_order_release);
         }
     }
 
