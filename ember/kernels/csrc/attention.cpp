@@ -17,6 +17,24 @@
 #include "common.h"
 #include "thread_pool.h"
 
+typedef float v16u __attribute__((vector_size(64), aligned(4)));  // sixteen floats at any float address
+
+// max of sc[0 .. n-1], n >= 1: sixteen lanes, then the lanes (max is exact in any order)
+static inline float row_max(const float* sc, int64_t n) {
+    float m = sc[0];
+    int64_t j = 0;
+    if (n >= LANES) {
+        v16 mv = *(const v16u*)sc;
+        for (j = LANES; j + LANES <= n; j += LANES) {
+            const v16 x = *(const v16u*)(sc + j);
+            mv = x > mv ? x : mv;
+        }
+        for (int l = 0; l < LANES; ++l) m = mv[l] > m ? mv[l] : m;
+    }
+    for (; j < n; ++j) m = sc[j] > m ? sc[j] : m;
+    return m;
+}
+
 struct Shape {
     int64_t heads, kv_heads, head_dim, block_size, table_width;
     float scale;
@@ -74,8 +92,8 @@ static inline void pv_block(const float* p, int64_t p_stride, int64_t seen, cons
     for (int b = 0; b < NB; ++b)
         for (int c = 0; c < CH; ++c) a[b][c] = splat(0.0f);
     for (int64_t j = 0; j < seen; ++j) {
-        v16 x[CH];
-        std::memcpy(x, vals + j * D, sizeof(x));
+        v16 x[CH];  // one unaligned vector load each (a memcpy of the whole array stalled store forwarding)
+        for (int c = 0; c < CH; ++c) x[c] = *(const v16u*)(vals + j * D + c * LANES);
         for (int b = 0; b < NB; ++b) {
             const float pj = p[b * p_stride + j];
             for (int c = 0; c < CH; ++c) a[b][c] = a[b][c] + pj * x[c];
@@ -140,8 +158,7 @@ static void tile_head(const void* q, const void* k_cache, const void* v_cache, c
         const int64_t seen = first_pos + i + 1;
         for (int64_t g = 0; g < G; ++g) {
             float* sc = scores + (i * G + g) * padded;
-            float m = sc[0];
-            for (int64_t j = 1; j < seen; ++j) m = sc[j] > m ? sc[j] : m;
+            float m = row_max(sc, seen);
             v16 total = {};
             for (int64_t j0 = 0; j0 < seen; j0 += LANES) {
                 v16 x;
