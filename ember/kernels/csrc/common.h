@@ -5,6 +5,10 @@
 #include <cstdint>
 #include <cstring>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 typedef float v16 __attribute__((vector_size(64)));
 typedef int32_t i16v __attribute__((vector_size(64)));
 typedef uint32_t u16v __attribute__((vector_size(64)));
@@ -67,11 +71,17 @@ template <bool BF16>
 static inline v16 load16(const void* base, int64_t offset) {  // 16 elements from base + offset
     v16 v;
     if (BF16) {
+#if defined(__AVX512F__)
+        const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)base + offset));
+        const __m512i u = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+        v = (v16)_mm512_castsi512_ps(u);
+#else
         typedef uint16_t h16 __attribute__((vector_size(32)));
         h16 h;
         std::memcpy(&h, (const uint16_t*)base + offset, sizeof(h));
         u16v u = __builtin_convertvector(h, u16v) << 16;
         std::memcpy(&v, &u, sizeof(v));
+#endif
     } else {
         std::memcpy(&v, (const float*)base + offset, sizeof(v));
     }
