@@ -49,8 +49,10 @@ def test_in_process_and_subprocess_clients_give_identical_tokens(make_engine, mo
             expected = await asyncio.gather(*(collect(local, ids, request_id=f"l{i}") for i, ids in enumerate(prompts)))
         finally:
             local.close()
-        remote = await SubprocessEngineClient.start(EngineConfig(model=str(model_path), threads=1,
-                                                                 kv_cache_mb=64))
+        # the same config as `engine` (the exact fp32 path; it compared against the q4 default before,
+        # and agreed only while q4's greedy tokens happened to match fp32's on these prompts)
+        remote = await SubprocessEngineClient.start(EngineConfig(model=str(model_path), threads=1, kv_cache_mb=64,
+                                                                 dtype="float32", weights="dense"))
         try:
             assert remote.info.pid != os.getpid() and remote.info.block_size == 16
             got = await asyncio.gather(*(collect(remote, ids, request_id=f"s{i}") for i, ids in enumerate(prompts)))
