@@ -2,8 +2,9 @@
 // each; handing work to a Python thread costs about that much). A call's parts are claimed from one
 // counter by the caller and the workers alike, so when a worker is slow to wake or has lost its core
 // to another process (prefill and decode share cores), the caller takes the parts it has not
-// claimed instead of waiting for it. Between calls a worker spins for SPIN_US on the job counter, so
-// the calls of one decode step find it awake, then sleeps on a condition variable (an idle server
+// claimed instead of waiting for it. Between calls a worker polls the job counter for SPIN_US, yielding
+// its core to any other runnable thread between polls, so the calls of one decode step find it awake
+// without starving other processes; then it sleeps on a condition variable (an idle server
 // costs nothing); the caller yields its core while it waits for a part a worker is computing. One
 // call at a time (a mutex); a forked child starts a pool of its own.
 #pragma once
@@ -43,7 +44,7 @@ class ThreadPool {
         wake_.notify_all();
         claim_parts();
         for (int spins = 0; pending_.load(std::memory_order_acquire) > 0; ++spins) {
-            if (spins < 2000) pause();
+            if (spins < 200) pause();
             else std::this_thread::yield();  // the worker holding the last part lost its core: let it run
         }
     }
@@ -69,7 +70,7 @@ class ThreadPool {
         for (;;) {
             const auto start = std::chrono::steady_clock::now();
             while (job_.load(std::memory_order_acquire) == seen) {
-                pause();
+                std::this_thread::yield();  // awake, but any other runnable thread (the router, a prefill) goes first
                 if (std::chrono::steady_clock::now() - start > std::chrono::microseconds(SPIN_US)) {
                     std::unique_lock<std::mutex> lock(mutex_);
                     wake_.wait(lock, [&] { return job_.load(std::memory_order_acquire) != seen; });
