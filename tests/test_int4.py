@@ -157,3 +157,37 @@ def test_q4_needs_bf16_and_a_gguf():
     from ember.model.files import check_weights
     with pytest.raises(ValueError, match="GGUF"):
         check_weights("some/folder", "bfloat16", "q4")
+
+
+def test_the_cpp_kernel_runs_in_a_forked_child(q4_weights):
+    """The kernels' worker pool belongs to the process that started it: a forked child (Python's
+    default start method on Linux) starts its own instead of waiting on the parent's threads."""
+    import os
+    import signal
+    import time
+
+    from ember.kernels import cpu_q4
+    if not cpu_q4.fits(64, 32):
+        pytest.skip(SKIP_NO_KERNEL)
+    w = q4_weights["model.layers.2.mlp.down_proj.weight"]
+    layer = Int4Linear(w.codes, w.scale, w.low, native=True)
+    x = torch.randn(4, w.codes.shape[1]).bfloat16()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        want = layer(x)  # the parent's pool has a worker now
+        pid = os.fork()
+        if pid == 0:  # the child: same kernel, two threads, then out without cleanup
+            os._exit(0 if torch.equal(layer(x), want) else 1)
+    finally:
+        torch.set_num_threads(threads)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+            return
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail("the forked child's kernel call did not return in 60 s")

@@ -57,8 +57,9 @@ class ThreadPool {
     }
 
     void ensure(int workers) {
-        if (owner_ != getpid()) {  // a fork leaves the parent's threads behind: start over
-            for (auto& t : threads_) t.detach();
+        if (owner_ != getpid()) {  // a forked child has none of the parent's threads: start over
+            // their handles refer to threads of another process: never joined, detached or destroyed
+            new std::vector<std::thread>(std::move(threads_));
             threads_.clear();
             owner_ = getpid();
         }
