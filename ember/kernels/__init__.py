@@ -13,8 +13,11 @@ def optimize(model) -> list[str]:
     applied = []
     if pack_linears(model):
         applied.append("onednn-packed-linear")
-    if any(isinstance(m, Int4Linear) for m in model.modules()):  # the loader put them in (weights="q4")
+    int4 = [m for m in model.modules() if isinstance(m, Int4Linear)]  # the loader put them in (weights="q4")
+    if int4:
         applied.append("int4-batch-invariant")
+    if any(m.native is not None for m in int4):
+        applied.append("cpp-int4-linear")
     norms = [m for m in model.modules() if hasattr(m, "kernel") and isinstance(getattr(m, "weight", None), torch.Tensor)
              and cpu_norm.fits(m.weight)]  # the bf16 RMSNorms (the fp32 path keeps F.rms_norm: = transformers)
     for m in norms:
