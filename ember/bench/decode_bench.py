@@ -59,13 +59,12 @@ def _int4_pair(model_path, reps: int) -> dict:
 
     from ember.kernels.cpu_int4 import Int4Linear
     from ember.model.gguf_quant import Q4Weight, read_q4_1
+    from ember.model.loader import Q4_FUSED
     q4 = read_q4_1(model_path)
-    parts = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
     layers = {"cpp": [], "torch": []}
     for i in sorted({int(n.split(".")[2]) for n in q4}):
-        for names in parts:
-            prefix = "self_attn" if names[0].endswith(("q_proj", "o_proj")) else "mlp"
-            w = Q4Weight.concat([q4[f"model.layers.{i}.{prefix}.{n}.weight"] for n in names])
+        for sources in Q4_FUSED.values():  # the linears as the loader fuses them
+            w = Q4Weight.concat([q4[f"model.layers.{i}.{source}.weight"] for source in sources])
             for kind in layers:
                 layers[kind].append(Int4Linear(w.codes, w.scale, w.low, native=kind == "cpp"))
     result = {}

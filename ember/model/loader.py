@@ -72,6 +72,12 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense")
                        weights_fingerprint(folder_fingerprint(folder), weights), path.stem, weights_bytes, weights)
 
 
+# each int4 layer linear and the GGUF tensors stacked into it (fused QKV, gate/up)
+Q4_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+            "mlp.down_proj": ("mlp.down_proj",)}
+
+
 def _use_int4(model: LlamaModel, gguf_path: Path) -> int:
     """Swap every layer linear for an Int4Linear over the GGUF's own Q4_1 codes; returns weight bytes."""
     from ember.kernels.cpu_int4 import INT4_MAX_ROWS, Int4Linear, Int4Logits, decode_layer, int4_available
@@ -79,12 +85,9 @@ def _use_int4(model: LlamaModel, gguf_path: Path) -> int:
     if not int4_available():
         raise RuntimeError("weights='q4' needs torch's int4 CPU kernels (aten._weight_int4pack_mm_for_cpu) and oneDNN")
     q4 = read_q4_1(gguf_path)
-    fused = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-             "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-             "mlp.down_proj": ("mlp.down_proj",)}
     read = 0
     for i, layer in enumerate(model.layers):
-        for target, sources in fused.items():
+        for target, sources in Q4_FUSED.items():
             names = [f"model.layers.{i}.{s}.weight" for s in sources]
             missing = [n for n in names if n not in q4]
             if missing:

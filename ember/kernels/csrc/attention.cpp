@@ -19,6 +19,43 @@
 
 typedef float v16u __attribute__((vector_size(64), aligned(4)));  // sixteen floats at any float address
 
+template <bool BF16>
+static inline void load_row(const void* base, int64_t index, int64_t d, float* dst) {
+    if (BF16) {
+        const uint16_t* src = (const uint16_t*)base + index * d;
+        for (int64_t i = 0; i < d; i += LANES) {  // d % 16 == 0 (checked by the callers)
+            const v16 v = load16<true>(src, i);
+            std::memcpy(dst + i, &v, sizeof(v));
+        }
+    } else {
+        std::memcpy(dst, (const float*)base + index * d, d * sizeof(float));
+    }
+}
+
+// exp(x) for x <= 0 (softmax arguments), one polynomial for every lane
+static inline v16 vexp(v16 x) {
+    const v16 lo = splat(-87.0f), zero = splat(0.0f);
+    x = x < lo ? lo : x;
+    x = x > zero ? zero : x;  // only keys past a row's position (weights set to 0 after) are > 0
+    const v16 fx = x * 1.44269504088896341f;  // x / ln 2
+    const v16 half = fx < 0 ? splat(-0.5f) : splat(0.5f);
+    i16v n = __builtin_convertvector(fx + half, i16v);  // round half away from zero
+    v16 nf = __builtin_convertvector(n, v16);
+    v16 r = x - nf * 0.693359375f;  // ln 2 split in two: the first part is exact times n
+    r = r - nf * -2.12194440e-4f;
+    v16 p = splat(1.9875691500e-4f);  // Cephes expf's minimax polynomial on [-ln2/2, ln2/2]
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    u16v bits = (u16v)((n + 127) << 23);  // 2^n
+    v16 scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    return p * scale;
+}
+
 // max of sc[0 .. n-1], n >= 1: sixteen lanes, then the lanes (max is exact in any order)
 static inline float row_max(const float* sc, int64_t n) {
     float m = sc[0];
@@ -216,7 +253,7 @@ extern "C" {
 // tiles [T, 4]: (first row, rows, sequence, first position); tables [S, table_width]. Computes every
 // (tile, KV head) pair, split over `threads` threads (the caller's among them) in ranges of about
 // equal work (rows x keys); each pair is computed alone, so the split changes no bit. scratch_floats:
-// the scratch one pair needs (cpu_attention.Tiles.plan). Returns 0, or -1 on a shape it does not take.
+// the scratch one pair needs (cpu_attention.Tiles.scratch_floats). Returns 0, or -1 on a shape it does not take.
 int ember_paged_attention(const void* q, int q_bf16, const void* k_cache, const void* v_cache, int kv_bf16,
                           const int64_t* tiles, int64_t num_tiles, const int64_t* tables, int64_t table_width,
                           void* out, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
