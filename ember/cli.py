@@ -24,13 +24,19 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=str(DEFAULT_MODEL_PATH), help="GGUF file or HF model folder")
     for name in engine_flags():
         field = EngineSettings.model_fields[name]
+        flag, help_text = "--" + name.replace("_", "-"), f"{field.description} (default: {field.default})"
         kinds = [a for a in (typing.get_args(field.annotation) or (field.annotation,)) if a is not type(None)]
+        if field.annotation is bool:
+            p.add_argument(flag, default=field.default, action=argparse.BooleanOptionalAction, help=help_text)
+            continue
+        if typing.get_origin(field.annotation) is list:  # list[int]: one or more values
+            p.add_argument(flag, default=field.default, nargs="+", type=kinds[0], help=help_text)
+            continue
         if typing.get_origin(field.annotation) is typing.Literal:
             choices, kind = kinds, str
         else:
             choices, kind = None, kinds[0]  # int or float (X | None: X)
-        p.add_argument("--" + name.replace("_", "-"), default=field.default, choices=choices, type=kind,
-                       help=f"{field.description} (default: {field.default})")
+        p.add_argument(flag, default=field.default, choices=choices, type=kind, help=help_text)
 
 
 def engine_settings(args) -> dict:

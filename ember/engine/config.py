@@ -42,6 +42,11 @@ class EngineSettings(Section):
     speculative_ngram_max: int = Field(4, gt=0, description="longest suffix (tokens) looked up in the context "
                                                             "to draft from")
     speculative_ngram_min: int = Field(2, gt=0, description="shortest suffix looked up")
+    enforce_eager: bool = Field(False, description="run every step op by op instead of the captured step "
+                                                   "(same tokens: for debugging and comparison)")
+    capture_sizes: list[int] = Field([1, 2, 4, 8, 16, 32, 64], min_length=1,
+                                     description="batch-size buckets (tokens per step) of the captured decode step; "
+                                                 "bigger steps (prefill chunks) run op by op")
     max_waiting_requests: int = Field(256, gt=0, description="requests queued (not yet running) at most; past "
                                                              "it: RESOURCE_EXHAUSTED")
     max_waiting_tokens: int = Field(262144, gt=0, description="prompt tokens queued at most; past it: "
@@ -53,6 +58,13 @@ class EngineSettings(Section):
         if v & (v - 1):
             raise ValueError(f"block_size must be a power of two, got {v}")
         return v
+
+    @field_validator("capture_sizes")
+    @classmethod
+    def _positive_sizes(cls, v: list[int]) -> list[int]:
+        if any(size <= 0 for size in v):
+            raise ValueError(f"capture_sizes must be positive, got {v}")
+        return sorted(set(v))
 
     @model_validator(mode="after")
     def _pair(self):

@@ -78,7 +78,10 @@ class LLMEngine:
         self.frame_template = wire.layout_header(self.layout, self.block_manager.root_hash)  # what frames must say
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         self.kernels = optimize(self.loaded.model) if config.optimize else []
-        self.runner = ModelRunner(self.loaded.model, self.cache)
+        capture = () if config.enforce_eager or not config.optimize else tuple(config.capture_sizes)
+        self.runner = ModelRunner(self.loaded.model, self.cache, capture)
+        if self.runner.captured is not None:
+            self.kernels = [*self.kernels, "captured-step"]
         eos = self.tokenizer.eos_token_id
         self.eos_token_id = eos if eos is not None else args.eos_token_id
         self.grammars = Grammars(self.tokenizer.backend.to_str(), args.vocab_size, self.eos_token_id)

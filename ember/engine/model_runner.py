@@ -6,15 +6,21 @@ import torch
 from ember.engine.attention import DecodeBatch, PagedAttention, PrefillChunk
 from ember.engine.kv_cache import PagedKVCache
 from ember.engine.scheduler import ScheduledBatch
+from ember.kernels import cpu_step
 from ember.model.llama import LlamaModel
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: PagedKVCache):
+    def __init__(self, model: LlamaModel, cache: PagedKVCache, capture_sizes: tuple[int, ...] = ()):
+        """capture_sizes: the batch-size buckets of the captured step (ember.kernels.cpu_step), where
+        the model's step can be captured; empty: every step op by op."""
         self.model = model
         self.cache = cache
         self.block_size = cache.layout.block_size
         self.scale = model.args.head_dim ** -0.5
+        self.captured = None
+        if capture_sizes and cpu_step.unsupported(model, cache) is None:
+            self.captured = cpu_step.CapturedStep(model, cache, capture_sizes)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
@@ -55,7 +61,12 @@ class ModelRunner:
             decode = DecodeBatch(torch.tensor(decode_rows), tables, torch.tensor(decode_lens),
                                  torch.tensor(decode_queries))
         attend = PagedAttention(self.cache, torch.tensor(slots), prefills, decode, self.scale)
-        hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), attend)
+        if self.captured is not None and len(input_ids) <= self.captured.max_rows and attend.tiles is not None:
+            x = self.model.embed_tokens(torch.tensor(input_ids))
+            hidden = self.model.norm(self.captured(x, torch.tensor(positions), attend.slot_mapping, attend.tiles,
+                                                   self.scale))
+        else:
+            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), attend)
         if not sample_rows:
             return hidden.new_empty(0, self.model.args.vocab_size, dtype=torch.float32), []
         return self.model.compute_logits(hidden[sample_rows]), sampled

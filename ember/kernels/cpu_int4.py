@@ -21,11 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ember.kernels import cpu_q4
+from ember.kernels import cpu_q4, cpu_step
 from ember.model.llama import apply_rope
 
-# Steps of at most this many rows skip the module calls (decode_layer). Both ways run the
-# same kernels in the same order, so results do not depend on it.
+# Steps of at most this many rows skip the module calls (decode_layer) on torch's int4 kernel.
+# Both ways run the same kernels in the same order, so results do not depend on it. On the C++
+# kernels every step takes decode_layer (see there).
 INT4_MAX_ROWS = 12
 
 
@@ -118,17 +119,30 @@ class Int4Logits(nn.Module):
 
 
 def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend, layer_idx: int) -> torch.Tensor:
-    """One decoder layer for a small step, straight onto the int4 kernels.
+    """One decoder layer straight onto the int4 kernels, op by op.
 
     The same arithmetic as DecoderLayer.forward with Int4Linear layers, minus the module
-    calls: at batch 1 those cost ~130 us per layer (47.8 -> 59 tok/s when removed).
+    calls: at batch 1 those cost ~130 us per layer (47.8 -> 59 tok/s when removed). On the C++
+    kernels, RoPE and SiLU * up are C++ calls too (the captured step's own, ember.kernels.cpu_step:
+    its SiLU's exp is not torch's, so every step of a C++-kernel model takes this path, whatever
+    its size, and a token's bits never depend on which path computed it).
     """
     attn, mlp = layer.self_attn, layer.mlp
     rows, heads, kv_heads = x.shape[0], attn.num_heads, attn.num_kv_heads
+    native = mlp.gate_up_proj.native is not None
     h = layer.input_layernorm.forward(x)
     qkv = _int4_mm(h, attn.qkv_proj).view(rows, -1, attn.head_dim)
-    qk = apply_rope(qkv[:, :heads + kv_heads], cos, sin).to(x.dtype)
-    out = attend(layer_idx, qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:])
+    if native:
+        q, k, v = cpu_step.rope_store(qkv, cos, sin, heads, kv_heads)
+    else:
+        qk = apply_rope(qkv[:, :heads + kv_heads], cos, sin).to(x.dtype)
+        q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
+    out = attend(layer_idx, q, k, v)
     x = x + _int4_mm(out.reshape(rows, -1), attn.o_proj)
-    gate, up = _int4_mm(layer.post_attention_layernorm.forward(x), mlp.gate_up_proj).split(mlp.intermediate_size, -1)
-    return x + _int4_mm(F.silu(gate) * up, mlp.down_proj)
+    gate_up = _int4_mm(layer.post_attention_layernorm.forward(x), mlp.gate_up_proj)
+    if native:
+        act = cpu_step.silu_mul(gate_up)
+    else:
+        gate, up = gate_up.split(mlp.intermediate_size, -1)
+        act = F.silu(gate) * up
+    return x + _int4_mm(act, mlp.down_proj)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,7 +102,8 @@ def _use_int4(model: LlamaModel, gguf_path: Path) -> int:
             read += linear.weight_bytes
     output = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     model.lm_head = Int4Logits(output)
-    model.small_step, model.small_step_rows = decode_layer, INT4_MAX_ROWS
+    native = any(m.native is not None for m in model.modules() if isinstance(m, Int4Linear))
+    model.small_step, model.small_step_rows = decode_layer, sys.maxsize if native else INT4_MAX_ROWS
     rest = sum(p.numel() * p.element_size() for n, p in model.named_parameters())
     return read + rest
 
