@@ -42,7 +42,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     gate_up = gate_up.contiguous()
     rows, width = gate_up.shape
     out = torch.empty(rows, width // 2, dtype=torch.bfloat16)
-    library().ember_silu_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr())
+    if library().ember_silu_mul(gate_up.data_ptr(), rows, width // 2, out.data_ptr(), torch.get_num_threads()):
+        raise ValueError(f"silu_mul: width {width // 2} is not a multiple of 16")
     return out
 
 
@@ -53,6 +54,8 @@ def unsupported(model, cache) -> str | None:
         return "the C++ kernels did not build"
     if cache.dtype != torch.bfloat16 or model.norm.weight.dtype != torch.bfloat16:
         return "not the bf16 path"
+    if model.args.intermediate_size % 16:
+        return f"intermediate size {model.args.intermediate_size} is not a multiple of 16"
     if not cpu_attention.fits(model.args.head_dim):
         return f"head_dim {model.args.head_dim} does not fit the attention kernel"
     for layer in model.layers:

@@ -84,7 +84,7 @@ def library() -> ctypes.CDLL | None:
                        ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
         p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         for name, args in (("ember_rope_store", [p, i64, i64, i64, i64, p, p, p, p, p, p]),
-                           ("ember_silu_mul", [p, i64, i64, p]),
+                           ("ember_silu_mul", [p, i64, i64, p, ctypes.c_int]),
                            ("ember_decoder_step", [p, p, i64, p, p, p, i64, p, i64, f32, f32, i64, p, ctypes.c_int,
                                                    ctypes.c_int])):
             fn = getattr(lib, name)

@@ -8,6 +8,7 @@
 // torch dispatches a layer costs (about 0.3 ms a layer at batch 1). Every elementwise op below is per
 // element, plain IEEE (-ffp-contract=off), the same for any number of rows.
 #include "common.h"
+#include "thread_pool.h"
 
 extern "C" {
 int ember_q4_linear(const uint16_t* x, int64_t rows, int64_t K, const uint8_t* codes, const uint16_t* dm,
@@ -19,28 +20,47 @@ int ember_paged_attention(const void* q, int q_bf16, const void* k_cache, const 
 int ember_rms_norm(const uint16_t* x, const uint16_t* weight, uint16_t* out, int64_t rows, int64_t dim, float eps);
 }
 
-// exp(x) for any float x (|x| clamped to 87: SiLU's arguments), one polynomial (Cephes expf's) for every lane
-static inline float exp_poly(float x) {
-    x = x < -87.0f ? -87.0f : x > 87.0f ? 87.0f : x;
-    const float fx = x * 1.44269504088896341f;
-    const int n = (int)(fx + (fx < 0 ? -0.5f : 0.5f));  // round half away from zero
-    const float nf = (float)n;
-    float r = x - nf * 0.693359375f;
+// exp(x) for any float x (clamped to +-87: SiLU's arguments), one polynomial (Cephes expf's) for
+// every lane; lane-wise IEEE operations, so a lane's result does not depend on its neighbours
+static inline v16 exp_poly(v16 x) {
+    const v16 lo = splat(-87.0f), hi = splat(87.0f);
+    x = x < lo ? lo : x;
+    x = x > hi ? hi : x;
+    const v16 fx = x * 1.44269504088896341f;
+    const v16 half = fx < 0 ? splat(-0.5f) : splat(0.5f);
+    const i16v n = __builtin_convertvector(fx + half, i16v);  // round half away from zero
+    const v16 nf = __builtin_convertvector(n, v16);
+    v16 r = x - nf * 0.693359375f;
     r = r - nf * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
+    v16 p = splat(1.9875691500e-4f);
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    const uint32_t bits = (uint32_t)(n + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &bits, 4);
+    const u16v bits = (u16v)((n + 127) << 23);
+    v16 scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
     return p * scale;
 }
 
-static inline float bf16r(float f) { return bf16_to_f32(f32_to_bf16(f)); }
+// sixteen floats rounded to bf16 (round to nearest even, NaN stays NaN: f32_to_bf16's rule), as the
+// top halves of u32 lanes
+static inline u16v bf16_bits(v16 f) {
+    u16v u;
+    std::memcpy(&u, &f, sizeof(u));
+    const u16v rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+    const u16v nan = (u >> 16) | 0x40u;
+    return (u & 0x7fffffffu) > 0x7f800000u ? nan : rounded;
+}
+
+static inline v16 bf16_round(v16 f) {  // f rounded to bf16, back as floats
+    const u16v bits = bf16_bits(f) << 16;
+    v16 out;
+    std::memcpy(&out, &bits, sizeof(out));
+    return out;
+}
 
 // q, k rotated (rotate-half), as the model's apply_rope computes them: x * cos + rotated * sin in fp32,
 // rounded to bf16. qkv [rows, heads + 2 kv_heads, D] bf16; cos, sin: tables [positions, D] (positions
@@ -69,14 +89,20 @@ static void rope_store(const uint16_t* qkv, int64_t rows, int64_t heads, int64_t
     }
 }
 
-// out [rows, I] = bf16(bf16(silu(gate)) * up) with gate, up the halves of gu [rows, 2I]
-static void silu_mul(const uint16_t* gu, int64_t rows, int64_t I, uint16_t* out) {
-    for (int64_t r = 0; r < rows; ++r)
-        for (int64_t i = 0; i < I; ++i) {
-            const float g = bf16_to_f32(gu[r * 2 * I + i]), u = bf16_to_f32(gu[r * 2 * I + I + i]);
-            const float silu = bf16r(g / (1.0f + exp_poly(-g)));
-            out[r * I + i] = f32_to_bf16(silu * u);
-        }
+// out [rows, I] = bf16(bf16(silu(gate)) * up) with gate, up the halves of gu [rows, 2I]; I % 16 == 0.
+// Rows are split over the pool when there are many (prefill); each element is computed alone.
+static void silu_mul(const uint16_t* gu, int64_t rows, int64_t I, uint16_t* out, int threads) {
+    typedef uint16_t h16 __attribute__((vector_size(32)));
+    const int64_t parts = rows * I >= (1 << 16) && threads > 1 ? (rows < 4 * threads ? rows : 4 * threads) : 1;
+    shared_pool().run((int)parts, threads, [&](int part) {
+        for (int64_t r = rows * part / parts; r < rows * (part + 1) / parts; ++r)
+            for (int64_t i = 0; i < I; i += LANES) {
+                const v16 g = load16<true>(gu, r * 2 * I + i), u = load16<true>(gu, r * 2 * I + I + i);
+                const v16 silu = bf16_round(g / (1.0f + exp_poly(-g)));
+                const h16 h = __builtin_convertvector(bf16_bits(silu * u), h16);
+                std::memcpy(out + r * I + i, &h, sizeof(h));
+            }
+    });
 }
 
 static void add_into(uint16_t* x, const uint16_t* y, int64_t n) {  // x = bf16(x + y)
@@ -101,8 +127,9 @@ int ember_rope_store(const uint16_t* qkv, int64_t rows, int64_t heads, int64_t k
     return 0;
 }
 
-int ember_silu_mul(const uint16_t* gu, int64_t rows, int64_t intermediate, uint16_t* out) {
-    silu_mul(gu, rows, intermediate, out);
+int ember_silu_mul(const uint16_t* gu, int64_t rows, int64_t intermediate, uint16_t* out, int threads) {
+    if (intermediate % LANES) return -1;
+    silu_mul(gu, rows, intermediate, out, threads);
     return 0;
 }
 
@@ -116,6 +143,7 @@ int ember_decoder_step(const int64_t* plan, uint16_t* x, int64_t rows, const int
                        int attention_threads) {
     const int64_t L = plan[LAYERS], hidden = plan[HIDDEN], H = plan[HEADS], Hkv = plan[KV_HEADS], D = plan[HEAD_DIM];
     const int64_t I = plan[INTERMEDIATE], BS = plan[BLOCK_SIZE];
+    if (I % LANES) return -1;
     const float* cos = (const float*)plan[COS];
     const float* sin = (const float*)plan[SIN];
     const int64_t qkv_width = (H + 2 * Hkv) * D;
@@ -143,7 +171,7 @@ int ember_decoder_step(const int64_t* plan, uint16_t* x, int64_t rows, const int
         if (ember_rms_norm(x, (const uint16_t*)p[NORM2], h, rows, hidden, eps)) return -1;
         if (ember_q4_linear(h, rows, hidden, (const uint8_t*)p[GU_CODES], (const uint16_t*)p[GU_DM], 2 * I, gu, threads))
             return -1;
-        silu_mul(gu, rows, I, act);
+        silu_mul(gu, rows, I, act, threads);
         if (ember_q4_linear(act, rows, I, (const uint8_t*)p[DOWN_CODES], (const uint16_t*)p[DOWN_DM], hidden, h, threads))
             return -1;
         add_into(x, h, rows * hidden);
