@@ -17,6 +17,7 @@ def engine_flags() -> list[str]:
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     """Engine flags, made from ember.engine.config.EngineSettings: the YAML's names and defaults."""
+    import types
     import typing
 
     from ember.engine.config import EngineSettings
@@ -29,8 +30,11 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         if field.annotation is bool:
             p.add_argument(flag, default=field.default, action=argparse.BooleanOptionalAction, help=help_text)
             continue
-        if typing.get_origin(field.annotation) is list:  # list[int]: one or more values
-            p.add_argument(flag, default=field.default, nargs="+", type=kinds[0], help=help_text)
+        listed = field.annotation  # list[int] or list[int] | None: one or more values
+        if typing.get_origin(listed) in (typing.Union, types.UnionType):
+            listed = next(a for a in typing.get_args(listed) if a is not type(None))
+        if typing.get_origin(listed) is list:
+            p.add_argument(flag, default=field.default, nargs="+", type=typing.get_args(listed)[0], help=help_text)
             continue
         if typing.get_origin(field.annotation) is typing.Literal:
             choices, kind = kinds, str
@@ -69,15 +73,19 @@ def cmd_generate(args) -> int:
         engine.add_request(prompt, params)
     except (ValueError, CapacityError) as e:
         print(f"error: {e}", file=sys.stderr)
+        engine.close()
         return 2
-    while engine.has_unfinished():
-        for out in engine.step():
-            sys.stdout.write(out.new_text)
-            sys.stdout.flush()
-            if out.finished:
-                sys.stdout.write("\n")
-                print(f"[{out.finish_reason}: {out.prompt_tokens} prompt, {out.cached_tokens} cached, "
-                      f"{out.completion_tokens} completion tokens]", file=sys.stderr)
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                sys.stdout.write(out.new_text)
+                sys.stdout.flush()
+                if out.finished:
+                    sys.stdout.write("\n")
+                    print(f"[{out.finish_reason}: {out.prompt_tokens} prompt, {out.cached_tokens} cached, "
+                          f"{out.completion_tokens} completion tokens]", file=sys.stderr)
+    finally:
+        engine.close()
     return 0
 
 
@@ -201,7 +209,7 @@ BENCHES = {"engine": "engine_bench", "disagg": "disagg_bench", "kv": "kv_bench",
            "quality": "quality", "budget": "budget_bench", "served": "served_bench",
            "simulate": "sim_bench", "placement": "placement_bench", "chaos": "chaos", "overload": "overload",
            "security": "security_bench", "constrained": "constrained_bench",
-           "speculative": "speculative_bench", "decode": "decode_bench"}
+           "speculative": "speculative_bench", "decode": "decode_bench", "parallel": "parallel_bench"}
 
 
 def cmd_bench(args) -> int:

@@ -30,7 +30,8 @@ ROLES = ("prefill", "decode", "kvstore")
 ENGINE_ROLES = ("prefill", "decode")
 # Engine settings a role may set for itself. The rest name the bytes of a KV block (dtype,
 # weights, block size) or the request limit the router checks, so both roles must agree.
-ROLE_SETTINGS = ("kv_cache_mb", "kv_cache_memory_fraction", "max_num_seqs", "max_num_batched_tokens", "threads")
+ROLE_SETTINGS = ("kv_cache_mb", "kv_cache_memory_fraction", "max_num_seqs", "max_num_batched_tokens", "threads",
+                 "tensor_parallel", "pipeline_parallel")
 
 
 def _address(value: str) -> str:
@@ -184,6 +185,8 @@ class RoleEngineSettings(Section):
     max_num_seqs: int | None = Field(None, gt=0)
     max_num_batched_tokens: int | None = Field(None, gt=0)
     threads: int | None = Field(None, ge=0)
+    tensor_parallel: int | None = Field(None, ge=1)
+    pipeline_parallel: int | None = Field(None, ge=1)
 
 
 assert set(RoleEngineSettings.model_fields) == set(ROLE_SETTINGS) <= set(EngineSettings.model_fields)

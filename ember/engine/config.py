@@ -42,6 +42,14 @@ class EngineSettings(Section):
     speculative_ngram_max: int = Field(4, gt=0, description="longest suffix (tokens) looked up in the context "
                                                             "to draft from")
     speculative_ngram_min: int = Field(2, gt=0, description="shortest suffix looked up")
+    tensor_parallel: int = Field(1, ge=1, description="ranks (processes) each layer is split over, Megatron style "
+                                                      "(ember.parallel); dense weights; KV blocks stay whole-model")
+    pipeline_parallel: int = Field(1, ge=1, description="stages (processes) the layers are split into, "
+                                                        "balanced by a measured cost profile (ember.parallel)")
+    pipeline_partition: list[int] | None = Field(None, description="layers per stage (forces the split); unset: "
+                                                                   "from the measured cost profile")
+    pipeline_microbatches: int = Field(0, ge=0, description="micro-batches of disjoint sequences a step is split "
+                                                            "into across the stages; 0: one per stage")
     enforce_eager: bool = Field(False, description="run every step op by op instead of the captured step "
                                                    "(same tokens: for debugging and comparison)")
     capture_sizes: list[int] = Field([1, 2, 4, 8, 16, 32, 64], min_length=1,
@@ -69,6 +77,8 @@ class EngineSettings(Section):
     @model_validator(mode="after")
     def _pair(self):
         check_pair(self.dtype, self.weights)
+        if self.tensor_parallel > 1 and self.pipeline_parallel > 1:
+            raise ValueError("tensor_parallel and pipeline_parallel together are not supported yet: set one of them")
         if self.speculative_ngram_min > self.speculative_ngram_max:
             raise ValueError(f"speculative_ngram_min ({self.speculative_ngram_min}) must not exceed "
                              f"speculative_ngram_max ({self.speculative_ngram_max})")

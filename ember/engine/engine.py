@@ -26,7 +26,7 @@ from ember.kernels import optimize
 from ember.kv import wire
 from ember.kv.block_hash import chain_hashes, root_hash
 from ember.model.files import layout_of
-from ember.model.loader import LoadedModel, load_model
+from ember.model.loader import LoadedModel, load_model, read_metadata
 
 log = logging.getLogger("ember.engine")
 
@@ -63,8 +63,13 @@ class LLMEngine:
     def __init__(self, config: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None):
         torch.set_num_threads(config.torch_threads())
         self.config = config
-        self.loaded = loaded or load_model(config.model, config.dtype, config.weights)
-        loaded_dtype = str(self.loaded.model.norm.weight.dtype).removeprefix("torch.")
+        parallel = config.tensor_parallel > 1 or config.pipeline_parallel > 1  # ranks load their parts (ember.parallel)
+        if config.pipeline_parallel == 1 and (config.pipeline_partition or config.pipeline_microbatches):
+            raise ValueError("pipeline_partition and pipeline_microbatches need pipeline_parallel > 1")
+        if parallel and loaded is not None:
+            raise ValueError("a tensor-parallel engine loads its own shards: pass no loaded model")
+        self.loaded = loaded or (read_metadata if parallel else load_model)(config.model, config.dtype, config.weights)
+        loaded_dtype = config.dtype if parallel else str(self.loaded.model.norm.weight.dtype).removeprefix("torch.")
         if (self.loaded.weights, loaded_dtype) != (config.weights, config.dtype):
             raise ValueError(f"the model was loaded as weights={self.loaded.weights!r}, dtype={loaded_dtype!r} but "
                              f"the config says {config.weights!r}, {config.dtype!r}; load it with the config's values")
@@ -73,15 +78,27 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or args.max_position, args.max_position)
         self.layout = layout_of(args, self.loaded.fingerprint, config.dtype, config.block_size)
         num_blocks = config.num_kv_blocks or config.pool_bytes() // self.layout.block_bytes
-        self.cache = PagedKVCache(self.layout, num_blocks)
+        if parallel:
+            if config.tensor_parallel > 1:
+                from ember.parallel.tensor_parallel import TensorParallelRunner as Runner
+                name = f"tensor-parallel-{config.tensor_parallel}"
+            else:
+                from ember.parallel.pipeline_parallel import PipelineParallelRunner as Runner
+                name = f"pipeline-parallel-{config.pipeline_parallel}"
+            self.runner = Runner(config, self.layout, num_blocks)
+            self.cache = self.runner.cache  # whole-model blocks in and out, every rank its part
+            self.kernels = [*self.runner.kernels, name]
+        else:
+            self.cache = PagedKVCache(self.layout, num_blocks)
         self.block_manager = BlockManager(num_blocks, config.block_size, root_hash(self.layout))
         self.frame_template = wire.layout_header(self.layout, self.block_manager.root_hash)  # what frames must say
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
-        self.kernels = optimize(self.loaded.model) if config.optimize else []
-        capture = () if config.enforce_eager or not config.optimize else tuple(config.capture_sizes)
-        self.runner = ModelRunner(self.loaded.model, self.cache, capture)
-        if self.runner.captured is not None:
-            self.kernels = [*self.kernels, "captured-step"]
+        if not parallel:
+            self.kernels = optimize(self.loaded.model) if config.optimize else []
+            capture = () if config.enforce_eager or not config.optimize else tuple(config.capture_sizes)
+            self.runner = ModelRunner(self.loaded.model, self.cache, capture)
+            if self.runner.captured is not None:
+                self.kernels = [*self.kernels, "captured-step"]
         eos = self.tokenizer.eos_token_id
         self.eos_token_id = eos if eos is not None else args.eos_token_id
         self.grammars = Grammars(self.tokenizer.backend.to_str(), args.vocab_size, self.eos_token_id)
@@ -96,6 +113,12 @@ class LLMEngine:
         self._ids = itertools.count()
 
     # -- requests ----------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop what the engine started (a tensor-parallel engine's rank processes); idempotent."""
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
     def add_request(self, prompt: str | list[int], params: SamplingParams = SamplingParams(),
                     request_id: str | None = None, output_prefix: list[int] = (), check_queue: bool = True,
                     cache_salt: bytes = b"", shared_blocks: int = 0) -> str:

@@ -1,6 +1,8 @@
 """Turns a scheduled batch into tensors, runs the model, returns logits of sampled rows."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ember.engine.attention import DecodeBatch, PagedAttention, PrefillChunk
@@ -8,6 +10,17 @@ from ember.engine.kv_cache import PagedKVCache
 from ember.engine.scheduler import ScheduledBatch
 from ember.kernels import cpu_step
 from ember.model.llama import LlamaModel
+
+
+@dataclass
+class StepInputs:
+    """One step as plain tensors (what tensor-parallel ranks receive from the driver)."""
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]
+    prefills: list[PrefillChunk]
+    decode: DecodeBatch | None
+    sample_rows: list[int]  # rows whose logits are returned
 
 
 class ModelRunner:
@@ -22,11 +35,15 @@ class ModelRunner:
         if capture_sizes and cpu_step.unsupported(model, cache) is None:
             self.captured = cpu_step.CapturedStep(model, cache, capture_sizes)
 
-    @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Compute the batch's tokens; return (logits [S, V], for each logits row its index into
         batch.seqs). A decoding sequence with drafts (its last token, then seq.draft_token_ids)
         gets a row per position, in order: the verify step of speculative decoding."""
+        inputs, sampled = self.prepare(batch)
+        return self.execute(inputs), sampled
+
+    def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
+        """The step's inputs, and for each sampled row its index into batch.seqs."""
         input_ids, positions, slots = [], [], []
         prefills, decode_rows, decode_tables, decode_lens, decode_queries = [], [], [], [], []
         sample_rows, sampled = [], []
@@ -60,13 +77,18 @@ class ModelRunner:
             tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
             decode = DecodeBatch(torch.tensor(decode_rows), tables, torch.tensor(decode_lens),
                                  torch.tensor(decode_queries))
-        attend = PagedAttention(self.cache, torch.tensor(slots), prefills, decode, self.scale)
+        return StepInputs(input_ids, positions, slots, prefills, decode, sample_rows), sampled
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits [len(sample_rows), V] (this rank's vocabulary rows under tensor parallelism)."""
+        attend = PagedAttention(self.cache, torch.tensor(inputs.slots), inputs.prefills, inputs.decode, self.scale)
+        input_ids, positions = torch.tensor(inputs.input_ids), torch.tensor(inputs.positions)
         if self.captured is not None and len(input_ids) <= self.captured.max_rows and attend.tiles is not None:
-            x = self.model.embed_tokens(torch.tensor(input_ids))
-            hidden = self.model.norm(self.captured(x, torch.tensor(positions), attend.slot_mapping, attend.tiles,
-                                                   self.scale))
+            hidden = self.model.norm(self.captured(self.model.embed(input_ids), positions, attend.slot_mapping,
+                                                   attend.tiles, self.scale))
         else:
-            hidden = self.model(torch.tensor(input_ids), torch.tensor(positions), attend)
-        if not sample_rows:
-            return hidden.new_empty(0, self.model.args.vocab_size, dtype=torch.float32), []
-        return self.model.compute_logits(hidden[sample_rows]), sampled
+            hidden = self.model(input_ids, positions, attend)
+        if not inputs.sample_rows:
+            return hidden.new_empty(0, self.model.args.vocab_size, dtype=torch.float32)
+        return self.model.compute_logits(hidden[inputs.sample_rows])

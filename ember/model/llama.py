@@ -66,6 +66,7 @@ class Attention(nn.Module):
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         self.qkv_proj = nn.Linear(args.hidden_size, q_size + 2 * kv_size, bias=False)
         self.o_proj = nn.Linear(q_size, args.hidden_size, bias=False)
+        self.reduce = None  # tensor parallel: the all-reduce of o_proj's partial sums (set_tensor_parallel)
 
     def forward(self, x, cos, sin, attend: Attend, layer_idx: int) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -74,8 +75,8 @@ class Attention(nn.Module):
         qk = apply_rope(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin).to(x.dtype)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         v = qkv[:, self.num_heads + self.num_kv_heads:]
-        out = attend(layer_idx, q, k, v)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        out = self.o_proj(attend(layer_idx, q, k, v).reshape(num_tokens, -1))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class MLP(nn.Module):
@@ -84,10 +85,12 @@ class MLP(nn.Module):
         self.intermediate_size = args.intermediate_size
         self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.reduce = None  # tensor parallel: the all-reduce of down_proj's partial sums
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderLayer(nn.Module):
@@ -118,6 +121,25 @@ class LlamaModel(nn.Module):
         # tokens (decode): small_step(layer, x, cos, sin, attend, layer_idx) -> x.
         self.small_step = None
         self.small_step_rows = 0
+        # tensor parallel (ember.parallel): this rank's embedding rows start here; reduce sums over ranks
+        self.vocab_start, self.reduce = 0, None
+
+    def set_tensor_parallel(self, reduce, vocab_start: int) -> None:
+        """Make this model one rank's shard: `reduce(t)` sums t over the ranks in place of the
+        missing parts (after o_proj, down_proj and the vocab-parallel embedding lookup)."""
+        self.reduce, self.vocab_start = reduce, vocab_start
+        for layer in self.layers:
+            layer.self_attn.reduce = layer.mlp.reduce = reduce
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.reduce is None:
+            return self.embed_tokens(input_ids)
+        # vocab-parallel: tokens outside this rank's rows look up zeros; one rank holds each token,
+        # so the sum over ranks is that rank's row exactly
+        local = input_ids - self.vocab_start
+        inside = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(local.clamp(0, self.embed_tokens.num_embeddings - 1))
+        return self.reduce(x.masked_fill(~inside[:, None], 0.0))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """input_ids, positions: [num_tokens] (all sequences of the step, flattened).
@@ -125,7 +147,10 @@ class LlamaModel(nn.Module):
         Returns final hidden states [num_tokens, hidden]; call `compute_logits` only on
         the rows that are sampled.
         """
-        x = self.embed_tokens(input_ids)
+        return self.norm(self.forward_layers(self.embed(input_ids), positions, attend))
+
+    def forward_layers(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+        """The decoder layers alone (a pipeline stage runs these on the hidden states it receives)."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         small_step = self.small_step if x.shape[0] <= self.small_step_rows else None
         for layer_idx, layer in enumerate(self.layers):
@@ -133,7 +158,7 @@ class LlamaModel(nn.Module):
                 x = small_step(layer, x, cos, sin, attend, layer_idx)
             else:
                 x = layer(x, cos, sin, attend, layer_idx)
-        return self.norm(x)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied

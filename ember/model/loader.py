@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -48,29 +48,101 @@ def ensure_gguf_cache(gguf_path: Path) -> Path:
     return cache
 
 
-def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense") -> LoadedModel:
+def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense", shard=None,
+               layers: tuple[int, int] | None = None) -> LoadedModel:
+    """The model at `path`. shard: a tensor-parallel rank's part (ember.parallel.shard.RankShard): only
+    its slices of each tensor are read, and the model has its local shape. layers: a pipeline stage's
+    [first, last) decoder layers (renumbered from 0; the embedding read only where a stage embeds or,
+    tied, computes logits). LoadedModel.args stays the whole model's."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path} (run `make setup` to fetch the default model)")
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     check_weights(path, dtype, weights)
+    if (shard is not None or layers is not None) and weights == "q4":
+        raise ValueError("tensor and pipeline parallelism serve dense weights for now: set weights: dense")
     folder = ensure_gguf_cache(path) if path.suffix == ".gguf" else path
     args = ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
     torch_dtype = DTYPES[dtype]
     tensors = {}
     for file in sorted(folder.glob("*.safetensors")):
-        # the embedding is only looked up by row: map it, don't load it (113 MB for SmolLM2)
-        tensors.update(read_safetensors(file, torch_dtype, mapped=("model.embed_tokens.weight",)))
+        if shard is not None:
+            tensors.update(_read_shard(file, torch_dtype, args, shard))
+        elif layers is not None:
+            tensors.update(_read_stage(file, torch_dtype, args, *layers))
+        else:
+            # the embedding is only looked up by row: map it, don't load it (113 MB for SmolLM2)
+            tensors.update(read_safetensors(file, torch_dtype, mapped=("model.embed_tokens.weight",)))
     weights_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    local = args if shard is None else shard.local_args(args)
+    if layers is not None:
+        local = replace(local, num_layers=layers[1] - layers[0])
     with _skip_weight_init():
-        model = LlamaModel(args)
+        model = LlamaModel(local)
     model.load_hf_state_dict(tensors)
     model.eval().requires_grad_(False)
     if weights == "q4":
         weights_bytes = _use_int4(model, path)
     return LoadedModel(args, model, Tokenizer.from_folder(folder),
                        weights_fingerprint(folder_fingerprint(folder), weights), path.stem, weights_bytes, weights)
+
+
+def read_metadata(path: str | Path, dtype: str = "float32", weights: str = "dense") -> LoadedModel:
+    """What load_model gives, less the weights (model=None): shape, tokenizer, fingerprint. For an engine
+    whose ranks load their own shards."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"model not found: {path} (run `make setup` to fetch the default model)")
+    check_weights(path, dtype, weights)
+    folder = ensure_gguf_cache(path) if path.suffix == ".gguf" else path
+    args = ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
+    return LoadedModel(args, None, Tokenizer.from_folder(folder),
+                       weights_fingerprint(folder_fingerprint(folder), weights), path.stem, 0, weights)
+
+
+def _read_stage(file: Path, dtype: torch.dtype, args: ModelArgs, first: int, last: int) -> dict[str, torch.Tensor]:
+    """The tensors of decoder layers [first, last), renumbered from 0, the norms, and the embedding
+    where the stage uses it (the first stage looks tokens up; the last computes logits, with the
+    embedding when tied); elsewhere an empty one stands in."""
+    from safetensors import safe_open
+    needs_embedding = first == 0 or (last == args.num_layers and args.tie_word_embeddings)
+    tensors = {}
+    with safe_open(str(file), framework="pt") as f:
+        for name in f.keys():
+            if name.startswith("model.layers."):
+                index = int(name.split(".")[2])
+                if not first <= index < last:
+                    continue
+                name_here = f"model.layers.{index - first}." + name.split(".", 3)[3]
+            elif name == "model.embed_tokens.weight" and not needs_embedding:
+                tensors[name] = torch.empty(0, args.hidden_size, dtype=dtype)
+                continue
+            elif name == "lm_head.weight" and last != args.num_layers:
+                tensors[name] = torch.empty(0, args.hidden_size, dtype=dtype)
+                continue
+            else:
+                name_here = name
+            t = f.get_tensor(name)
+            tensors[name_here] = t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+    return tensors
+
+
+def _read_shard(file: Path, dtype: torch.dtype, args: ModelArgs, shard) -> dict[str, torch.Tensor]:
+    """This rank's slice of every tensor in the file, read through safetensors' slices (only the
+    slice is copied out of the map)."""
+    from safetensors import safe_open
+
+    from ember.parallel.shard import tensor_slice
+    tensors = {}
+    with safe_open(str(file), framework="pt") as f:
+        for name in f.keys():
+            rows, cols = tensor_slice(name, args, shard)
+            part = f.get_slice(name)
+            index = (slice(*rows) if rows else slice(None), slice(*cols) if cols else slice(None))
+            t = part[index[:len(part.get_shape())]]
+            tensors[name] = t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t.contiguous()
+    return tensors
 
 
 # each int4 layer linear and the GGUF tensors stacked into it (fused QKV, gate/up)

@@ -97,6 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     serve_loop(core, receive, emit)
     if connector is not None:
         connector.close()
+    engine.close()
     return 0
 
 

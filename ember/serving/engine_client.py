@@ -194,6 +194,7 @@ class InProcessEngineClient(EngineClient):
         self._thread.join(timeout=10)
         if self.core.connector is not None:
             self.core.connector.close()
+        self.core.engine.close()
 
 
 class SubprocessEngineClient(EngineClient):

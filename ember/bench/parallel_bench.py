@@ -1,0 +1,167 @@
+"""`ember bench parallel`: tensor and pipeline parallelism against data parallelism on this machine's
+cores.
+
+For each tensor-parallel degree (1, 2, 3; the ranks share the machine's threads): the engine's start
+time, rank 0's weight bytes, the 16-stream decode throughput, and the share of a decode step the
+driver spends in all-reduces (waiting for the slowest rank included). Pipeline parallel 2: the same,
+with the partition the measured profile chose and its predicted stage imbalance against the measured
+one (each stage's compute time per decode step, from timing its forward). Against them: two
+data-parallel replicas (two engine processes, half the threads each, 8 streams each) on the same
+cores. Dense fp32 weights throughout (the exact path; the parallel engines serve dense weights),
+every configuration the same prompts and tokens.
+"""
+from __future__ import annotations
+
+import time
+
+from ember.bench.measure import progress, write_result
+
+STREAMS, TOKENS = 16, 32
+PROMPT = ("The keeper wrote down every ship that passed the lighthouse, its flag and its cargo. " * 6
+          + "Story {}: on the morning of the storm,")
+
+
+def _config(model: str, threads: int, degree: int, **extra):
+    from ember.engine.config import EngineConfig
+    return EngineConfig(model=model, dtype="float32", weights="dense", threads=threads, kv_cache_mb=256,
+                        tensor_parallel=degree, **extra)
+
+
+def _decode(engine, prompts: list[str]) -> dict:
+    """Prefill the prompts, then time the decode of TOKENS each (all streams batched)."""
+    from ember.engine.sampling_params import SamplingParams
+    for p in prompts:
+        engine.add_request(p, SamplingParams(max_tokens=TOKENS, ignore_eos=True))
+    while not all(s.num_output_tokens for s in engine.seqs.values()):
+        engine.step()  # prefill (and the first token)
+    steps, start, tokens = 0, time.perf_counter(), 0
+    while engine.has_unfinished():
+        tokens += sum(len(o.new_token_ids) for o in engine.step())
+        steps += 1
+    wall = time.perf_counter() - start
+    return {"tok_per_s": round(tokens / wall, 1), "step_ms": round(1000 * wall / steps, 2), "steps": steps}
+
+
+def _tensor_parallel(model: str, threads: int, degree: int) -> dict:
+    from ember.engine.engine import LLMEngine
+    from ember.parallel import tensor_parallel
+    from ember.parallel.shard import plan
+    start = time.perf_counter()
+    engine = LLMEngine(_config(model, threads, degree))
+    load_s = time.perf_counter() - start
+    try:
+        result = {"degree": degree, "start_s": round(load_s, 2)}
+        reduce_s = [0.0]
+        if degree > 1:
+            me = engine.runner.me
+            shards = plan(engine.loaded.args, degree)
+            result["rank0_weight_mb"] = round(me.loaded.weights_bytes / 2**20, 1)
+            result["ranks"] = [{"rank": s.rank, "q_heads": s.q_heads, "kv_heads": s.kv_heads, "columns": s.columns,
+                                "vocab": s.vocab} for s in shards]
+
+            def timed(t):
+                t0 = time.perf_counter()
+                out = tensor_parallel._all_reduce(t)
+                reduce_s[0] += time.perf_counter() - t0
+                return out
+            me.loaded.model.set_tensor_parallel(timed, me.shard.vocab[0])  # the driver's side only
+        else:
+            result["rank0_weight_mb"] = round(engine.loaded.weights_bytes / 2**20, 1)
+        decode = _decode(engine, [PROMPT.format(i) for i in range(STREAMS)])
+        # the all-reduces of the decode steps only: (reduce time) / (decode time)
+        result |= decode
+        if degree > 1:
+            result["all_reduce_share_of_step"] = None  # filled below
+        return result | {"_reduce_s": reduce_s[0]}
+    finally:
+        engine.close()
+
+
+def _pipeline(model: str, threads: int) -> dict:
+    from ember.engine.engine import LLMEngine
+    start = time.perf_counter()
+    engine = LLMEngine(_config(model, threads, 1, pipeline_parallel=2))
+    load_s = time.perf_counter() - start
+    try:
+        runner = engine.runner
+        stage0 = runner.me
+        spent = [0.0]
+        original = stage0._stage
+
+        def timed(inputs, x):
+            t0 = time.perf_counter()
+            out = original(inputs, x)
+            spent[0] += time.perf_counter() - t0
+            return out
+        stage0._stage = timed
+        decode = _decode(engine, [PROMPT.format(i) for i in range(STREAMS)])
+        predicted = runner.predicted_ms
+        step_ms = decode["step_ms"]
+        stage0_ms = 1000 * spent[0] / decode["steps"]
+        return {"stages": 2, "start_s": round(load_s, 2), "partition": runner.counts,
+                "profile_ms": {k: round(v, 3) for k, v in runner.costs.items()},
+                "predicted_stage_ms": [round(p, 2) for p in predicted],
+                "predicted_imbalance": round(max(predicted) / min(predicted), 2),
+                "rank0_weight_mb": round(stage0.loaded.weights_bytes / 2**20, 1),
+                "stage0_compute_ms_per_step": round(stage0_ms, 2),
+                "stage0_share_of_step": round(stage0_ms / step_ms, 2), **decode}
+    finally:
+        engine.close()
+
+
+def _replica(model: str, threads: int, first: int, count: int, ready, go, results) -> None:
+    from ember.engine.engine import LLMEngine
+    engine = LLMEngine(_config(model, threads, 1))
+    ready.wait()
+    go.wait()
+    results.put(_decode(engine, [PROMPT.format(i) for i in range(first, first + count)]) | {"first": first})
+
+
+def _data_parallel(model: str, threads: int, replicas: int = 2) -> dict:
+    import multiprocessing as mp
+    context = mp.get_context("spawn")
+    ready, go, results = context.Barrier(replicas + 1), context.Barrier(replicas + 1), context.Queue()
+    per = STREAMS // replicas
+    each = max(1, threads // replicas)
+    procs = [context.Process(target=_replica, args=(model, each, r * per, per, ready, go, results))
+             for r in range(replicas)]
+    for p in procs:
+        p.start()
+    ready.wait()  # every replica loaded
+    start = time.perf_counter()
+    go.wait()
+    parts = [results.get(timeout=600) for _ in procs]
+    wall = time.perf_counter() - start
+    for p in procs:
+        p.join(timeout=30)
+    tokens = STREAMS * (TOKENS - 1)
+    return {"replicas": replicas, "tok_per_s": round(tokens / wall, 1), "per_replica": parts,
+            "note": "aggregate: decode tokens of all replicas / wall time from a common start (prefill included)"}
+
+
+def main(args) -> int:
+    threads = args.threads or 2
+    result: dict = {"threads": threads, "streams": STREAMS, "tokens": TOKENS, "weights": "dense fp32", "tp": {}}
+    for degree in (1, 2, 3):
+        progress(f"tensor parallel {degree}: start, {STREAMS} streams x {TOKENS} tokens")
+        r = _tensor_parallel(args.model, threads, degree)
+        reduce_s = r.pop("_reduce_s")
+        if degree > 1:
+            decode_s = r["steps"] * r["step_ms"] / 1000
+            r["all_reduce_share_of_step"] = round(reduce_s / decode_s, 3) if decode_s else None
+        result["tp"][str(degree)] = r
+    progress(f"pipeline parallel 2: {STREAMS} streams x {TOKENS} tokens")
+    result["pp2"] = _pipeline(args.model, threads)
+    progress(f"data parallel: 2 replicas x {STREAMS // 2} streams")
+    result["dp2"] = _data_parallel(args.model, threads)
+    tp1, tp2, dp2 = result["tp"]["1"]["tok_per_s"], result["tp"]["2"]["tok_per_s"], result["dp2"]["tok_per_s"]
+    result["targets"] = {
+        "rank 0 weight bytes, TP=2 / TP=1": {
+            "value": round(result["tp"]["2"]["rank0_weight_mb"] / result["tp"]["1"]["rank0_weight_mb"], 2),
+            "target": "< 0.6"},
+        "16 streams, TP=2 / TP=1": {"value": round(tp2 / tp1, 2), "target": "reported"},
+        "16 streams, 2 DP replicas / TP=2": {"value": round(dp2 / tp2, 2), "target": "> 1 on two cores"},
+        "16 streams, 2 DP replicas / PP=2": {"value": round(dp2 / result["pp2"]["tok_per_s"], 2),
+                                             "target": "> 1 on two cores"}}
+    write_result(result, args.output)
+    return 0

@@ -1,0 +1,138 @@
+"""The process group of a parallel engine: this process is rank 0, the driver; it spawns ranks
+1..N-1 and sends them commands. Used by tensor_parallel.py and pipeline_parallel.py.
+
+Communication is torch.distributed, its backend chosen in `backend()`: gloo on CPU (NCCL would be
+CUDA's). A rank that dies breaks its peers' next collective (gloo: the connection closes), every
+collective has the group's timeout, and a rank that dies while starting fails the start at once:
+the engine fails instead of hanging.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import threading
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+START_TIMEOUT_S = 300  # ranks loading their parts and joining the group
+
+
+def backend() -> str:
+    """The one place the communication backend is chosen."""
+    return "nccl" if torch.cuda.is_available() and os.environ.get("EMBER_DEVICE") == "cuda" else "gloo"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def join(rank: int, world: int, port: int) -> None:
+    dist.init_process_group(backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
+
+
+def serve(rank: int, world: int, port: int, threads: int, make) -> None:
+    """A spawned rank's life: join, build its part (`make()`, an object whose methods are the
+    commands), then run the driver's commands until "stop"."""
+    torch.set_num_threads(threads)
+    join(rank, world, port)
+    me = make()
+    dist.barrier()  # every rank built
+    while True:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        command, *args = box[0]
+        if command == "stop":
+            break
+        with torch.inference_mode():
+            getattr(me, command)(*args)
+    dist.destroy_process_group()
+
+
+class RankGroup:
+    """The driver's handle on the spawned ranks."""
+
+    def __init__(self, world: int, target, args_of_rank, name: str):
+        """target(rank, world, port, *args_of_rank(rank)) runs in each spawned rank (it calls serve)."""
+        if dist.is_initialized():
+            raise RuntimeError("one parallel engine per process: close the other one first (its ranks hold "
+                               "this process's torch.distributed group)")
+        self.world = world
+        self.port = _free_port()
+        context = mp.get_context("spawn")
+        self.procs = [context.Process(target=target, args=(r, world, self.port, *args_of_rank(r)), daemon=True,
+                                      name=f"ember-{name}-rank{r}") for r in range(1, world)]
+        for p in self.procs:
+            p.start()
+        self._closed = False
+
+    def join(self) -> None:
+        """Join the group (it forms when every rank has joined), failing fast when a rank dies first."""
+        failed: list[BaseException] = []
+
+        def run():
+            try:
+                join(0, self.world, self.port)
+            except BaseException as e:  # noqa: BLE001  (re-raised below)
+                failed.append(e)
+        joining = threading.Thread(target=run, daemon=True, name="ember-parallel-join")
+        joining.start()
+        while joining.is_alive():
+            joining.join(timeout=0.2)
+            dead = [p for p in self.procs if p.exitcode is not None]
+            if dead and joining.is_alive():
+                raise RuntimeError(f"rank process {dead[0].name} exited with code {dead[0].exitcode} while "
+                                   "starting (see its log above)")
+        if failed:
+            raise failed[0]
+
+    def ready(self) -> None:
+        dist.barrier()  # every rank built its part
+
+    def send(self, *command) -> None:
+        dist.broadcast_object_list([command], src=0)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.send("stop")
+        except Exception:  # noqa: BLE001  (a rank already gone: the group is broken, kill the rest)
+            pass
+        try:
+            dist.destroy_process_group()  # (a later engine in this process makes a group of its own)
+        except Exception:  # noqa: BLE001
+            pass
+        for p in self.procs:
+            p.join(timeout=10)
+        self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+
+
+def gather_padded(t: torch.Tensor, width: int, dim: int) -> list[torch.Tensor] | None:
+    """Gather t (dim `dim` up to `width`, zero-padded to it) to rank 0: the list there, None elsewhere."""
+    pad = width - t.shape[dim]
+    if pad:
+        shape = list(t.shape)
+        shape[dim] = pad
+        t = torch.cat([t, t.new_zeros(shape)], dim=dim)
+    t = t.contiguous()
+    out = [torch.empty_like(t) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
+    dist.gather(t, out, dst=0)
+    return out
+
+
+def int_view(itemsize: int) -> torch.dtype:
+    """The integer dtype of this width (bytes of a cache moved as integers, whatever the float)."""
+    return {2: torch.int16, 4: torch.int32}[itemsize]

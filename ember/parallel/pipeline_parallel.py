@@ -1,0 +1,230 @@
+"""A pipeline-parallel engine: its decoder layers split into stages, each a process (ember.parallel.group:
+stage 0 is the driver, which also embeds; the last stage applies the final norm and the output
+layer). Only the driver schedules, hashes and samples. A step's sequences are split into
+micro-batches of disjoint sequences; the driver runs stage 0 of each and sends its hidden states on,
+so while stage 1 works on micro-batch 1 the driver computes micro-batch 2; the last stage sends each
+micro-batch's logits back to the driver.
+
+The partition comes from a measured cost profile (`measure_costs`: the embedding, one decoder layer,
+and the norm + output layer, timed at the decode batch size on random weights of the model's
+shape): the contiguous split that minimises the slowest stage (`partition`). The output layer
+weighs several layers at decode, so the last stage gets fewer layers. `engine.pipeline_partition`
+forces a split.
+
+KV blocks stay whole-model: each stage holds its layers of every block, an export gathers them
+(tensor_parallel.ShardedKVCache), an import sends the block to every stage, which takes its layers.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ember.engine.attention import PagedAttention
+from ember.engine.kv_cache import PagedKVCache
+from ember.engine.model_runner import ModelRunner, StepInputs
+from ember.engine.scheduler import ScheduledBatch
+from ember.kv.block_hash import KVLayout
+from ember.parallel import group
+from ember.parallel.tensor_parallel import ShardedKVCache, model_args
+
+
+def partition(num_layers: int, stages: int, layer: float, first_extra: float, last_extra: float) -> list[int]:
+    """Layers per stage (contiguous, each at least one) minimising the slowest stage, where a stage
+    costs `layer` a layer, the first stage `first_extra` more and the last `last_extra` more."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"pipeline_parallel must be between 1 and the model's {num_layers} layers, got {stages}")
+    best: tuple[float, list[int]] | None = None
+
+    def cost(stage: int, count: int) -> float:
+        return count * layer + (first_extra if stage == 0 else 0.0) + (last_extra if stage == stages - 1 else 0.0)
+
+    def search(stage: int, left: int, counts: list[int], worst: float) -> None:
+        nonlocal best
+        if best is not None and worst >= best[0]:
+            return
+        if stage == stages - 1:
+            total = max(worst, cost(stage, left))
+            if best is None or total < best[0]:
+                best = (total, counts + [left])
+            return
+        for count in range(1, left - (stages - stage - 1) + 1):
+            search(stage + 1, left - count, counts + [count], max(worst, cost(stage, count)))
+    search(0, num_layers, [], 0.0)
+    return best[1]
+
+
+def stage_costs(counts: list[int], layer: float, first_extra: float, last_extra: float) -> list[float]:
+    return [c * layer + (first_extra if i == 0 else 0.0) + (last_extra if i == len(counts) - 1 else 0.0)
+            for i, c in enumerate(counts)]
+
+
+def measure_costs(args, dtype: torch.dtype, rows: int, reps: int = 5) -> dict[str, float]:
+    """Milliseconds of the embedding, one decoder layer and the norm + output layer for a step of
+    `rows` tokens, on random weights of the model's shape (attention over the rows themselves)."""
+    from ember.model.llama import DecoderLayer, RMSNorm
+    torch.manual_seed(0)
+    layer = DecoderLayer(args).to(dtype).eval()
+    norm = RMSNorm(args.hidden_size, args.rms_norm_eps).to(dtype)
+    embedding = torch.randn(args.vocab_size, args.hidden_size, dtype=dtype)
+    ids = torch.randint(0, args.vocab_size, (rows,))
+    x = torch.randn(rows, args.hidden_size, dtype=dtype)
+    cos, sin = torch.ones(rows, args.head_dim), torch.zeros(rows, args.head_dim)
+
+    def attend(_, q, k, v):
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                             is_causal=True, enable_gqa=True)
+        return out.transpose(0, 1)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return 1000 * statistics.median(times)
+    with torch.inference_mode():
+        return {"embedding": best(lambda: F.embedding(ids, embedding)),
+                "layer": best(lambda: layer(x, cos, sin, attend, 0)),
+                "head": best(lambda: F.linear(norm(x), embedding).float())}
+
+
+class StageRank:
+    """One stage's layers, its layers of the KV cache; its methods are the commands."""
+
+    def __init__(self, config, stage: int, bounds: list[tuple[int, int]], layout: KVLayout, num_blocks: int):
+        from ember.kernels import optimize
+        from ember.model.loader import load_model
+        self.stage, self.bounds = stage, bounds
+        self.first, self.last = stage == 0, stage == len(bounds) - 1
+        self.loaded = load_model(config.model, config.dtype, config.weights, layers=bounds[stage])
+        self.model = self.loaded.model
+        self.kernels = optimize(self.model) if config.optimize else []
+        count = bounds[stage][1] - bounds[stage][0]
+        self.cache = PagedKVCache(replace(layout, num_layers=count), num_blocks)
+        self.scale = self.model.args.head_dim ** -0.5
+        self.runner = ModelRunner(self.model, self.cache)  # prepare() only (the driver's)
+        self.pending: list = []
+
+    def _stage(self, inputs: StepInputs, x: torch.Tensor | None) -> torch.Tensor:
+        attend = PagedAttention(self.cache, torch.tensor(inputs.slots), inputs.prefills, inputs.decode, self.scale)
+        if self.first:
+            x = self.model.embed(torch.tensor(inputs.input_ids))
+        x = self.model.forward_layers(x, torch.tensor(inputs.positions), attend)
+        if not self.last:
+            return x
+        if not inputs.sample_rows:
+            return x.new_empty(0, self.model.args.vocab_size, dtype=torch.float32)
+        return self.model.compute_logits(self.model.norm(x)[inputs.sample_rows]).contiguous()
+
+    def step(self, micro_batches: list[StepInputs]) -> None:
+        """A stage after the first: receive each micro-batch's hidden states, compute, send on (the
+        last stage: the logits, to the driver)."""
+        hidden, dtype = self.model.args.hidden_size, self.model.norm.weight.dtype
+        sends = []
+        for inputs in micro_batches:
+            x = torch.empty(len(inputs.input_ids), hidden, dtype=dtype)
+            dist.recv(x, src=self.stage - 1)
+            out = self._stage(inputs, x)
+            sends.append((dist.isend(out, dst=0 if self.last else self.stage + 1), out))
+        for work, _ in sends:
+            work.wait()
+
+    def export(self, block_ids: list[int], layers_width: int) -> list[torch.Tensor] | None:
+        return group.gather_padded(self.cache.kv[:, :, block_ids], layers_width, dim=0)
+
+    def import_block(self, block_id: int, payload: bytes) -> None:
+        first, last = self.bounds[self.stage]
+        as_int = group.int_view(self.cache.kv.element_size())
+        full = torch.frombuffer(bytearray(payload), dtype=as_int).view(-1, *self.cache.kv.shape[1:2],
+                                                                         *self.cache.kv.shape[3:])
+        self.cache.kv[:, :, block_id].view(as_int).copy_(full[first:last])
+
+
+def _stage_main(rank: int, world: int, port: int, config, bounds, layout, num_blocks: int, threads: int) -> None:
+    group.serve(rank, world, port, threads, lambda: StageRank(config, rank, bounds, layout, num_blocks))
+
+
+class PipelineParallelRunner:
+    """The driver's side: ModelRunner's `run` over `pipeline_parallel` stages."""
+
+    def __init__(self, config, layout: KVLayout, num_blocks: int):
+        args = model_args(config)
+        self.stages = config.pipeline_parallel
+        dtype = getattr(torch, config.dtype)
+        threads = max(1, config.torch_threads() // self.stages)
+        torch.set_num_threads(threads)
+        self.costs = measure_costs(args, dtype, rows=min(16, config.max_num_seqs))
+        if config.pipeline_partition:
+            counts = list(config.pipeline_partition)
+            if len(counts) != self.stages or sum(counts) != args.num_layers or min(counts) < 1:
+                raise ValueError(f"pipeline_partition {counts} must give each of the {self.stages} stages at "
+                                 f"least one layer, {args.num_layers} in all")
+        else:
+            counts = partition(args.num_layers, self.stages, self.costs["layer"], self.costs["embedding"],
+                               self.costs["head"])
+        self.counts = counts
+        self.predicted_ms = stage_costs(counts, self.costs["layer"], self.costs["embedding"], self.costs["head"])
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        self.bounds = [(s, s + c) for s, c in zip(starts, counts)]
+        self.layout = layout
+        self.micro_batches = config.pipeline_microbatches or self.stages
+        self.group = group.RankGroup(self.stages, _stage_main,
+                                     lambda r: (config, self.bounds, layout, num_blocks, threads), "pp")
+        self.procs = self.group.procs
+        try:
+            self.group.join()
+            self.me = StageRank(config, 0, self.bounds, layout, num_blocks)
+            self.group.ready()
+        except BaseException:
+            self.group.kill()
+            raise
+        self.kernels = self.me.kernels
+        self.captured = None
+        self.cache = ShardedKVCache(self)
+        self._layers_width = max(counts)
+        self._vocab = args.vocab_size
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
+        n = len(batch.seqs)
+        parts = min(self.micro_batches, n)
+        cuts = [n * i // parts for i in range(parts + 1)]
+        micro, sampled = [], []
+        for a, b in zip(cuts, cuts[1:]):
+            inputs, rows = self.me.runner.prepare(ScheduledBatch(batch.seqs[a:b], batch.num_new_tokens[a:b]))
+            micro.append(inputs)
+            sampled += [a + i for i in rows]
+        self.group.send("step", micro)
+        sends = []
+        for inputs in micro:  # stage 0 of each micro-batch, sent on while the next one is computed
+            hidden = self.me._stage(inputs, None).contiguous()
+            sends.append((dist.isend(hidden, dst=1), hidden))
+        logits = []
+        for inputs in micro:
+            out = torch.empty(len(inputs.sample_rows), self._vocab, dtype=torch.float32)
+            dist.recv(out, src=self.stages - 1)
+            logits.append(out)
+        for work, _ in sends:
+            work.wait()
+        return torch.cat(logits), sampled
+
+    @torch.inference_mode()
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        self.group.send("export", block_ids, self._layers_width)
+        parts = self.me.export(block_ids, self._layers_width)
+        return torch.cat([p[:c] for p, c in zip(parts, self.counts)])
+
+    @torch.inference_mode()
+    def import_block(self, block_id: int, payload: bytes) -> None:
+        payload = bytes(payload)
+        self.group.send("import_block", block_id, payload)
+        self.me.import_block(block_id, payload)
+
+    def close(self) -> None:
+        self.group.close()

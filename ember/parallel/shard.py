@@ -1,0 +1,130 @@
+"""Tensor-parallel shard maths (Megatron style), torch-free: which heads, MLP columns and vocabulary
+rows each rank owns, and which slice of each checkpoint tensor that is.
+
+- Attention is split by KV group: a rank owns whole groups (its KV heads and all their query
+  heads), so grouped-query attention needs no communication. QKV is column-parallel (the rank's
+  rows of q/k/v), o_proj row-parallel (the rank's input columns), then one all-reduce.
+- When the degree exceeds the KV heads (SmolLM2: 3 KV heads, TP = 9), each rank takes an equal
+  share of one group's query heads and a replica of that group's KV head.
+- When groups do not divide evenly (TP = 2 over 3 groups), ranks get whole groups as evenly as
+  possible and the MLP's columns (gate/up column-parallel, down row-parallel, one all-reduce)
+  even out the difference: each rank's share of the weights a token reads (a decode step reads
+  every weight once, so its time follows those bytes: BENCHMARKS.md) is as equal as `ALIGN`-column
+  steps allow.
+- The embedding and the (tied) output layer are vocab-parallel: a rank holds a contiguous range of
+  rows; lookups outside it give zeros (then one all-reduce), logits are gathered to the driver.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ember.model.args import ModelArgs
+
+ALIGN = 64  # MLP columns move between ranks in steps of this (int4 groups of 32, kernel quads of 64)
+
+
+@dataclass(frozen=True)
+class RankShard:
+    rank: int
+    degree: int
+    q_heads: tuple[int, int]  # [first, last) global query heads
+    kv_heads: tuple[int, int]  # [first, last) global KV heads (a replica when shared with other ranks)
+    columns: tuple[int, int]  # [first, last) of the MLP's intermediate columns
+    vocab: tuple[int, int]  # [first, last) rows of the embedding / output layer
+
+    def local_args(self, args: ModelArgs) -> ModelArgs:
+        """The shape of this rank's part of the model."""
+        return replace(args, num_heads=self.q_heads[1] - self.q_heads[0],
+                       num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
+                       intermediate_size=self.columns[1] - self.columns[0], vocab_size=self.vocab[1] - self.vocab[0])
+
+
+def _split(total: int, parts: int) -> list[tuple[int, int]]:
+    """[0, total) into `parts` contiguous ranges, sizes differing by at most one (bigger first)."""
+    bounds = [total * i // parts for i in range(parts + 1)]
+    sizes = sorted((bounds[i + 1] - bounds[i] for i in range(parts)), reverse=True)
+    out, start = [], 0
+    for size in sizes:
+        out.append((start, start + size))
+        start += size
+    return out
+
+
+def attention_params(args: ModelArgs, q_heads: int, kv_heads: int) -> int:
+    """Weights a token reads in q/k/v/o for this many heads."""
+    return (2 * q_heads + 2 * kv_heads) * args.head_dim * args.hidden_size
+
+
+def mlp_params(args: ModelArgs, columns: int) -> int:
+    return 3 * columns * args.hidden_size
+
+
+def plan(args: ModelArgs, degree: int) -> list[RankShard]:
+    """Every rank's shard at tensor-parallel `degree`. Raises ValueError for a degree that cannot
+    split this model (its reason in the message)."""
+    if degree < 1:
+        raise ValueError(f"tensor_parallel must be >= 1, got {degree}")
+    heads, kv, group = args.num_heads, args.num_kv_heads, args.num_heads // args.num_kv_heads
+    if degree <= kv:
+        kv_ranges = _split(kv, degree)
+        q_ranges = [(a * group, b * group) for a, b in kv_ranges]
+    else:
+        if degree % kv or group % (degree // kv):
+            raise ValueError(f"tensor_parallel {degree} does not split {heads} query heads in {kv} KV groups: "
+                             f"use a divisor of {kv}, or a multiple of {kv} that divides {heads}")
+        per = heads // degree
+        q_ranges = [(r * per, (r + 1) * per) for r in range(degree)]
+        kv_ranges = [(a // group, a // group + 1) for a, _ in q_ranges]
+    if args.intermediate_size % ALIGN:
+        raise ValueError(f"intermediate size {args.intermediate_size} is not a multiple of {ALIGN}")
+    attention = [attention_params(args, b - a, d - c) for (a, b), (c, d) in zip(q_ranges, kv_ranges)]
+    columns = _balanced_columns(args, attention)
+    vocab = _split(args.vocab_size, degree)
+    return [RankShard(r, degree, q_ranges[r], kv_ranges[r], columns[r], vocab[r]) for r in range(degree)]
+
+
+def _balanced_columns(args: ModelArgs, attention: list[int]) -> list[tuple[int, int]]:
+    """MLP columns per rank so that attention + MLP weights are as equal as ALIGN steps allow."""
+    degree, steps = len(attention), args.intermediate_size // ALIGN
+    per_step = mlp_params(args, ALIGN)
+    target = (sum(attention) + mlp_params(args, args.intermediate_size)) / degree
+    counts = [max(0, round((target - a) / per_step)) for a in attention]
+    while sum(counts) > steps:  # take from the heaviest rank, give to the lightest
+        heavy = max(range(degree), key=lambda r: (attention[r] + counts[r] * per_step, -r))
+        counts[heavy] -= 1
+    while sum(counts) < steps:
+        light = min(range(degree), key=lambda r: (attention[r] + counts[r] * per_step, r))
+        counts[light] += 1
+    out, start = [], 0
+    for c in counts:
+        out.append((start, start + c * ALIGN))
+        start += c * ALIGN
+    return out
+
+
+def rank_params(args: ModelArgs, shard: RankShard) -> int:
+    """Weights a token reads on this rank in its decoder layers."""
+    local = shard.local_args(args)
+    return args.num_layers * (attention_params(args, local.num_heads, local.num_kv_heads)
+                              + mlp_params(args, local.intermediate_size))
+
+
+# What slice of each Hugging Face checkpoint tensor a rank takes: (rows, columns), each a
+# [first, last) range or None for all. Per layer names are matched on their suffix.
+def tensor_slice(name: str, args: ModelArgs, shard: RankShard) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
+    d = args.head_dim
+    q = (shard.q_heads[0] * d, shard.q_heads[1] * d)
+    kv = (shard.kv_heads[0] * d, shard.kv_heads[1] * d)
+    if name.endswith("self_attn.q_proj.weight"):
+        return q, None
+    if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+        return kv, None
+    if name.endswith("self_attn.o_proj.weight"):
+        return None, q
+    if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+        return shard.columns, None
+    if name.endswith("mlp.down_proj.weight"):
+        return None, shard.columns
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return shard.vocab, None
+    return None, None  # norms: whole on every rank

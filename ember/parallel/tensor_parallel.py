@@ -1,0 +1,142 @@
+"""A tensor-parallel engine's ranks (ember.parallel.group: rank 0 is the driver). Only the driver
+schedules, hashes and samples: every step it sends the step's inputs (model_runner.StepInputs) to
+the ranks, every rank runs its shard of the model (ember.parallel.shard) over its own slice of the
+paged KV cache (its KV heads, the same block ids), the all-reduces inside the layers join them, and
+the logits' vocabulary slices are gathered to the driver.
+
+KV blocks stay whole-model: `ShardedKVCache` gives the engine the export/import of one whole-model
+cache. An export gathers every rank's heads of the block into the driver's buffer in the
+whole-model layout (layer, K/V, token, head, dim), so frames do not depend on the parallel layout
+and engines of different degrees exchange blocks; an import sends the block to every rank, which
+takes its heads.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+
+from ember.engine.kv_cache import PagedKVCache
+from ember.engine.model_runner import ModelRunner, StepInputs
+from ember.kv.block_hash import KVLayout
+from ember.parallel import group
+from ember.parallel.shard import RankShard, plan
+
+
+def _all_reduce(t: torch.Tensor) -> torch.Tensor:
+    dist.all_reduce(t)
+    return t
+
+
+def model_args(config):
+    from ember.model.args import read_model_args
+    from ember.model.files import model_folder
+    return read_model_args(model_folder(config.model))
+
+
+class TensorRank:
+    """One rank's model shard, its slice of the KV cache and its runner; its methods are the commands."""
+
+    def __init__(self, config, shard: RankShard, layout: KVLayout, num_blocks: int):
+        from ember.kernels import optimize
+        from ember.model.loader import load_model
+        self.shard, self.whole = shard, layout
+        self.loaded = load_model(config.model, config.dtype, config.weights, shard=shard)
+        self.loaded.model.set_tensor_parallel(_all_reduce, shard.vocab[0])
+        self.kernels = optimize(self.loaded.model) if config.optimize else []
+        self.cache = PagedKVCache(replace(layout, num_kv_heads=shard.kv_heads[1] - shard.kv_heads[0]), num_blocks)
+        self.runner = ModelRunner(self.loaded.model, self.cache)  # never captured: its layers all-reduce
+
+    def step(self, inputs: StepInputs, logits_width: int) -> list[torch.Tensor] | None:
+        return group.gather_padded(self.runner.execute(inputs), logits_width, dim=1)
+
+    def export(self, block_ids: list[int], heads_width: int) -> list[torch.Tensor] | None:
+        return group.gather_padded(self.cache.kv[:, :, block_ids], heads_width, dim=4)  # [L, 2, n, bs, heads, D]
+
+    def import_block(self, block_id: int, payload: bytes) -> None:
+        w = self.whole
+        as_int = group.int_view(self.cache.kv.element_size())
+        full = torch.frombuffer(bytearray(payload), dtype=as_int).view(
+            w.num_layers, 2, w.block_size, w.num_kv_heads, w.head_dim)
+        self.cache.kv[:, :, block_id].view(as_int).copy_(full[:, :, :, self.shard.kv_heads[0]:self.shard.kv_heads[1]])
+
+
+def _rank_main(rank: int, world: int, port: int, config, layout: KVLayout, num_blocks: int, threads: int) -> None:
+    group.serve(rank, world, port, threads,
+                lambda: TensorRank(config, plan(model_args(config), world)[rank], layout, num_blocks))
+
+
+class TensorParallelRunner:
+    """The driver's side: ModelRunner's `run`, over `tensor_parallel` ranks."""
+
+    def __init__(self, config, layout: KVLayout, num_blocks: int):
+        self.degree = config.tensor_parallel
+        self.shards = plan(model_args(config), self.degree)
+        self.layout = layout
+        threads = max(1, config.torch_threads() // self.degree)
+        self.group = group.RankGroup(self.degree, _rank_main, lambda r: (config, layout, num_blocks, threads), "tp")
+        self.procs = self.group.procs
+        torch.set_num_threads(threads)
+        try:
+            self.group.join()
+            self.me = TensorRank(config, self.shards[0], layout, num_blocks)
+            self.group.ready()
+        except BaseException:
+            self.group.kill()
+            raise
+        self.kernels = self.me.kernels
+        self.captured = None
+        self.cache = ShardedKVCache(self)
+        self._vocab_width = max(s.vocab[1] - s.vocab[0] for s in self.shards)
+        self._heads_width = max(s.kv_heads[1] - s.kv_heads[0] for s in self.shards)
+
+    @torch.inference_mode()
+    def run(self, batch) -> tuple[torch.Tensor, list[int]]:
+        inputs, sampled = self.me.runner.prepare(batch)
+        self.group.send("step", inputs, self._vocab_width)
+        parts = self.me.step(inputs, self._vocab_width)
+        return torch.cat([p[:, :s.vocab[1] - s.vocab[0]] for p, s in zip(parts, self.shards)], dim=1), sampled
+
+    @torch.inference_mode()
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[L, 2, n, block_size, Hkv, D]: the blocks in the whole-model layout."""
+        self.group.send("export", block_ids, self._heads_width)
+        parts = self.me.export(block_ids, self._heads_width)
+        whole = parts[0].new_empty(*parts[0].shape[:4], self.layout.num_kv_heads, self.layout.head_dim)
+        for part, shard in zip(parts, self.shards):
+            first, last = shard.kv_heads
+            whole[:, :, :, :, first:last] = part[:, :, :, :, :last - first]  # a replica writes the same values
+        return whole
+
+    @torch.inference_mode()
+    def import_block(self, block_id: int, payload: bytes) -> None:
+        payload = bytes(payload)
+        self.group.send("import_block", block_id, payload)
+        self.me.import_block(block_id, payload)
+
+    def close(self) -> None:
+        self.group.close()
+
+
+class ShardedKVCache:
+    """The engine's view of a parallel engine's cache: whole-model blocks in, whole-model blocks out.
+    runner: export_blocks(ids) -> [L, 2, n, bs, Hkv, D], import_block(id, payload), `me` (rank 0)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.layout = runner.layout
+        self.dtype = runner.me.cache.dtype
+
+    @property
+    def nbytes(self) -> int:  # rank 0's slice, as every rank holds one like it
+        return self.runner.me.cache.nbytes
+
+    def export_block(self, block_id: int) -> bytes:
+        whole = self.runner.export_blocks([block_id])[:, :, 0]
+        return whole.contiguous().view(group.int_view(whole.element_size())).numpy().tobytes()
+
+    def import_block(self, block_id: int, payload) -> None:
+        if len(payload) != self.layout.block_bytes:
+            raise ValueError(f"KV block payload is {len(payload)} bytes, layout needs {self.layout.block_bytes}")
+        self.runner.import_block(block_id, payload)

@@ -1,0 +1,117 @@
+"""Pipeline parallelism (ember.parallel.pipeline_parallel): the partition maths, then real stages
+(spawned processes, gloo) on the exact fp32 path of the real model."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+
+from ember.engine.sampling_params import SamplingParams
+from ember.parallel.pipeline_parallel import partition, stage_costs
+
+PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,", "def add(a, b):"]
+
+
+def test_the_partition_minimises_the_slowest_stage_and_weighs_the_output_layer():
+    # the output layer weighing 8 layers (decode, measured): 19 + 11 layers, each side 19 layers' cost
+    assert partition(30, 2, 1.0, 0.0, 8.0) == [19, 11]
+    assert partition(30, 2, 1.0, 0.0, 0.0) == [15, 15]
+    counts = partition(30, 3, 1.0, 0.5, 8.0)
+    assert sum(counts) == 30 and min(counts) >= 1
+    costs = stage_costs(counts, 1.0, 0.5, 8.0)
+    assert max(costs) <= 13.5  # (30 + 8.5) / 3 = 12.83, rounded up to whole layers
+    with pytest.raises(ValueError, match="pipeline_parallel"):
+        partition(30, 31, 1.0, 0.0, 0.0)
+
+
+def _engine(**overrides):
+    from ember.engine.config import EngineConfig
+    from ember.engine.engine import LLMEngine
+    config = dict(dtype="float32", weights="dense", kv_cache_mb=64, threads=2, pipeline_parallel=2) | overrides
+    return LLMEngine(EngineConfig(**config))
+
+
+def _run(engine, prompts, tokens=12):
+    outs = engine.generate(prompts, SamplingParams(max_tokens=tokens, logprobs=2))
+    return [(o.token_ids, [(lp.logprob, lp.top_logprobs) for lp in o.logprobs]) for o in outs]
+
+
+def test_a_forced_partition_that_does_not_cover_the_layers_is_refused():
+    with pytest.raises(ValueError, match="pipeline_partition"):
+        _engine(pipeline_partition=[10, 10])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("partition_", [None, [19, 11]], ids=["measured", "forced-19-11"])
+def test_pipeline_tokens_and_logprobs_are_tp1s_bit_for_bit(make_engine, hf_greedy, partition_):
+    """One sequence: every stage runs TP=1's kernels on the same rows, so the logits are the same bits.
+    Batched (three sequences in micro-batches): the same greedy tokens."""
+    single = make_engine(kv_cache_mb=64)
+    engine = _engine(pipeline_partition=partition_)
+    try:
+        assert "pipeline-parallel-2" in engine.kernels
+        assert sum(engine.runner.counts) == 30
+        if partition_ is None:  # the output layer weighs several layers at decode: fewer layers on the last
+            assert engine.runner.counts[0] > engine.runner.counts[1]
+        for prompt in PROMPTS[:2]:
+            assert _run(engine, [prompt]) == _run(single, [prompt])
+        batched = _run(engine, PROMPTS)
+        assert [t for t, _ in batched] == [t for t, _ in _run(single, PROMPTS)]
+        ids = engine.tokenizer.encode(PROMPTS[1])
+        assert batched[1][0] == hf_greedy(ids, 12)
+    finally:
+        engine.close()
+    assert not any(p.is_alive() for p in engine.runner.procs), "a stage outlived close()"
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_blocks_are_whole_model_and_equal_tp1s_bytes(make_engine):
+    from ember.kv.block_hash import chain_hashes
+    prompt = PROMPTS[1] + " there lived an old fisherman who every morning went down to the harbour"
+    single = make_engine(kv_cache_mb=64)
+    single.prefill(prompt)
+    ids = single.tokenizer.encode(prompt)
+    hashes = chain_hashes(ids, single.config.block_size, single.block_manager.root_hash)
+    ref = [o.token_ids for o in single.generate([prompt], SamplingParams(max_tokens=10))][0]
+    engine = _engine()
+    try:
+        assert engine.block_manager.root_hash == single.block_manager.root_hash
+        engine.prefill(prompt)
+        assert engine.export_frames(hashes) == single.export_frames(hashes)  # same bits, same frames
+        with pytest.raises(RuntimeError, match="one parallel engine per process"):
+            _engine()
+    finally:
+        engine.close()
+    fresh = _engine()  # a decode at PP=2 from TP=1's blocks
+    try:
+        assert fresh.import_blocks(ids, hashes, single.export_blocks(hashes)) == len(hashes)
+        out = fresh.generate([prompt], SamplingParams(max_tokens=10))[0]
+        assert out.cached_tokens == len(hashes) * single.config.block_size and out.token_ids == ref
+    finally:
+        fresh.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_stage_fails_the_engine_within_its_timeout_not_a_hang():
+    engine = _engine()
+    try:
+        assert engine.generate(PROMPTS[:1], SamplingParams(max_tokens=2))
+        victim = engine.runner.procs[0]
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(timeout=30)
+        failed: list[BaseException] = []
+
+        def step():
+            try:
+                engine.generate(PROMPTS[:1], SamplingParams(max_tokens=4))
+            except BaseException as e:  # noqa: BLE001
+                failed.append(e)
+        worker = threading.Thread(target=step, daemon=True)
+        worker.start()
+        worker.join(timeout=60)
+        assert not worker.is_alive(), "the engine hung on a dead stage"
+        assert failed and isinstance(failed[0], RuntimeError), failed
+    finally:
+        engine.close()
