@@ -115,3 +115,19 @@ def test_a_killed_stage_fails_the_engine_within_its_timeout_not_a_hang():
         assert failed and isinstance(failed[0], RuntimeError), failed
     finally:
         engine.close()
+
+
+@pytest.mark.timeout(300)
+def test_three_stages_and_chunked_prefill_give_tp1s_tokens(make_engine):
+    """A middle stage holds neither the embedding nor the output layer; 64-token prefill chunks make
+    micro-batches that sample nothing."""
+    from tests.conftest import PROMPTS as LONG
+    prompts = [LONG[-1], LONG[0]]
+    reference = [t for t, _ in _run(make_engine(kv_cache_mb=256, max_num_batched_tokens=64), prompts, 6)]
+    engine = _engine(pipeline_parallel=3, kv_cache_mb=256, max_num_batched_tokens=64)
+    try:
+        assert len(engine.runner.counts) == 3
+        assert engine.runner.me.model.lm_head is None  # stage 0 computes no logits and keeps no output layer
+        assert [t for t, _ in _run(engine, prompts, 6)] == reference
+    finally:
+        engine.close()

@@ -186,3 +186,23 @@ def test_a_killed_rank_fails_the_engine_within_its_timeout_not_a_hang():
         assert failed and isinstance(failed[0], RuntimeError), failed
     finally:
         engine.close()
+
+
+@pytest.mark.timeout(300)
+def test_chunked_prefill_steps_that_sample_nothing_run_on_every_rank(make_engine):
+    """A long prompt in 64-token chunks: steps whose logits have zero rows still gather on every rank."""
+    from tests.conftest import PROMPTS as LONG
+    prompts = [LONG[-1], LONG[0]]
+    reference = _greedy(make_engine(kv_cache_mb=256, max_num_batched_tokens=64), prompts, 6)
+    engine = _engine(2, kv_cache_mb=256, max_num_batched_tokens=64)
+    try:
+        assert _greedy(engine, prompts, 6) == reference
+    finally:
+        engine.close()
+
+
+def test_q4_weights_under_parallelism_are_refused_before_any_rank_starts():
+    from ember.engine.config import EngineConfig
+    for knob in ("tensor_parallel", "pipeline_parallel"):
+        with pytest.raises(ValueError, match="dense weights"):
+            EngineConfig(**{knob: 2})  # the default model's weights: auto = q4

@@ -98,6 +98,8 @@ class EngineConfig(EngineSettings):
         dtype, weights = resolve_serving(self.model, self.dtype, self.weights)
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "weights", weights)
+        if weights == "q4" and (self.tensor_parallel > 1 or self.pipeline_parallel > 1):
+            raise ValueError("tensor and pipeline parallelism serve dense weights for now: set weights: dense")
         return self
 
     def torch_threads(self) -> int:

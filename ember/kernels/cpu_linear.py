@@ -47,8 +47,9 @@ def pack_linears(model: nn.Module) -> bool:
     # Hold (parent, name) pairs, not the layers, so each unpacked weight is freed as soon
     # as its packed twin exists: peak memory stays one layer above the model's size.
     targets = [(parent, name) for parent in model.modules() for name, child in parent.named_children()
-               if isinstance(child, nn.Linear) and child.bias is None]
-    tied = getattr(model, "lm_head", "absent") is None
+               if isinstance(child, nn.Linear) and child.bias is None and child.weight.numel()]
+    # (a pipeline stage without the output layer holds a zero-row one: nothing to pack)
+    tied = getattr(model, "lm_head", "absent") is None and model.embed_tokens.weight.numel() > 0
     dtype = getattr(*targets[0]).weight.dtype if targets else model.embed_tokens.weight.dtype if tied else None
     if dtype is None or not onednn_available(dtype):
         return False  # nothing to pack, or this CPU cannot: F.linear stays

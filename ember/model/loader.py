@@ -80,6 +80,11 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense",
         local = replace(local, num_layers=layers[1] - layers[0])
     with _skip_weight_init():
         model = LlamaModel(local)
+    if layers is not None:  # a stage without the embedding or the output layer holds zero rows of them
+        if tensors.get("model.embed_tokens.weight", torch.empty(1)).shape[0] == 0:
+            model.embed_tokens = nn.Embedding(0, args.hidden_size)
+        if model.lm_head is not None and tensors.get("lm_head.weight", torch.empty(1)).shape[0] == 0:
+            model.lm_head = nn.Linear(args.hidden_size, 0, bias=False)
     model.load_hf_state_dict(tensors)
     model.eval().requires_grad_(False)
     if weights == "q4":

@@ -12,6 +12,7 @@ import datetime
 import os
 import socket
 import threading
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -91,6 +92,18 @@ class RankGroup:
         if failed:
             raise failed[0]
 
+    @contextmanager
+    def failing(self):
+        """A command the ranks and the driver run together: if it fails on the driver (a rank died, or
+        the driver's own part raised), the group cannot be trusted to be in step again: abort it."""
+        if self._closed:
+            raise RuntimeError("the parallel engine's ranks are gone (an earlier command failed): restart it")
+        try:
+            yield
+        except BaseException:
+            self.abort()
+            raise
+
     def ready(self) -> None:
         dist.barrier()  # every rank built its part
 
@@ -112,6 +125,16 @@ class RankGroup:
         for p in self.procs:
             p.join(timeout=10)
         self.kill()
+
+    def abort(self) -> None:
+        """After a failure: the ranks killed at once (a rank waiting in a collective the driver will
+        never join would otherwise hold close() for the group's timeout), the group destroyed."""
+        self._closed = True
+        self.kill()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
 
     def kill(self) -> None:
         for p in self.procs:

@@ -105,6 +105,8 @@ class StageRank:
         self.loaded = load_model(config.model, config.dtype, config.weights, layers=bounds[stage])
         self.model = self.loaded.model
         self.kernels = optimize(self.model) if config.optimize else []
+        if not self.last:
+            self.model.lm_head = None  # (a packed copy of a tied embedding for logits this stage never computes)
         count = bounds[stage][1] - bounds[stage][0]
         self.cache = PagedKVCache(replace(layout, num_layers=count), num_blocks)
         self.scale = self.model.args.head_dim ** -0.5
@@ -182,7 +184,7 @@ class PipelineParallelRunner:
             self.me = StageRank(config, 0, self.bounds, layout, num_blocks)
             self.group.ready()
         except BaseException:
-            self.group.kill()
+            self.group.abort()
             raise
         self.kernels = self.me.kernels
         self.captured = None
@@ -200,31 +202,34 @@ class PipelineParallelRunner:
             inputs, rows = self.me.runner.prepare(ScheduledBatch(batch.seqs[a:b], batch.num_new_tokens[a:b]))
             micro.append(inputs)
             sampled += [a + i for i in rows]
-        self.group.send("step", micro)
-        sends = []
-        for inputs in micro:  # stage 0 of each micro-batch, sent on while the next one is computed
-            hidden = self.me._stage(inputs, None).contiguous()
-            sends.append((dist.isend(hidden, dst=1), hidden))
-        logits = []
-        for inputs in micro:
-            out = torch.empty(len(inputs.sample_rows), self._vocab, dtype=torch.float32)
-            dist.recv(out, src=self.stages - 1)
-            logits.append(out)
-        for work, _ in sends:
-            work.wait()
+        with self.group.failing():
+            self.group.send("step", micro)
+            sends = []
+            for inputs in micro:  # stage 0 of each micro-batch, sent on while the next one is computed
+                hidden = self.me._stage(inputs, None).contiguous()
+                sends.append((dist.isend(hidden, dst=1), hidden))
+            logits = []
+            for inputs in micro:
+                out = torch.empty(len(inputs.sample_rows), self._vocab, dtype=torch.float32)
+                dist.recv(out, src=self.stages - 1)
+                logits.append(out)
+            for work, _ in sends:
+                work.wait()
         return torch.cat(logits), sampled
 
     @torch.inference_mode()
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        self.group.send("export", block_ids, self._layers_width)
-        parts = self.me.export(block_ids, self._layers_width)
+        with self.group.failing():
+            self.group.send("export", block_ids, self._layers_width)
+            parts = self.me.export(block_ids, self._layers_width)
         return torch.cat([p[:c] for p, c in zip(parts, self.counts)])
 
     @torch.inference_mode()
     def import_block(self, block_id: int, payload: bytes) -> None:
         payload = bytes(payload)
-        self.group.send("import_block", block_id, payload)
-        self.me.import_block(block_id, payload)
+        with self.group.failing():
+            self.group.send("import_block", block_id, payload)
+            self.me.import_block(block_id, payload)
 
     def close(self) -> None:
         self.group.close()

@@ -89,8 +89,8 @@ def _balanced_columns(args: ModelArgs, attention: list[int]) -> list[tuple[int, 
     per_step = mlp_params(args, ALIGN)
     target = (sum(attention) + mlp_params(args, args.intermediate_size)) / degree
     counts = [max(0, round((target - a) / per_step)) for a in attention]
-    while sum(counts) > steps:  # take from the heaviest rank, give to the lightest
-        heavy = max(range(degree), key=lambda r: (attention[r] + counts[r] * per_step, -r))
+    while sum(counts) > steps:  # take from the heaviest rank that has columns, give to the lightest
+        heavy = max((r for r in range(degree) if counts[r]), key=lambda r: (attention[r] + counts[r] * per_step, -r))
         counts[heavy] -= 1
     while sum(counts) < steps:
         light = min(range(degree), key=lambda r: (attention[r] + counts[r] * per_step, r))

@@ -83,7 +83,7 @@ class TensorParallelRunner:
             self.me = TensorRank(config, self.shards[0], layout, num_blocks)
             self.group.ready()
         except BaseException:
-            self.group.kill()
+            self.group.abort()
             raise
         self.kernels = self.me.kernels
         self.captured = None
@@ -94,15 +94,17 @@ class TensorParallelRunner:
     @torch.inference_mode()
     def run(self, batch) -> tuple[torch.Tensor, list[int]]:
         inputs, sampled = self.me.runner.prepare(batch)
-        self.group.send("step", inputs, self._vocab_width)
-        parts = self.me.step(inputs, self._vocab_width)
+        with self.group.failing():
+            self.group.send("step", inputs, self._vocab_width)
+            parts = self.me.step(inputs, self._vocab_width)
         return torch.cat([p[:, :s.vocab[1] - s.vocab[0]] for p, s in zip(parts, self.shards)], dim=1), sampled
 
     @torch.inference_mode()
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """[L, 2, n, block_size, Hkv, D]: the blocks in the whole-model layout."""
-        self.group.send("export", block_ids, self._heads_width)
-        parts = self.me.export(block_ids, self._heads_width)
+        with self.group.failing():
+            self.group.send("export", block_ids, self._heads_width)
+            parts = self.me.export(block_ids, self._heads_width)
         whole = parts[0].new_empty(*parts[0].shape[:4], self.layout.num_kv_heads, self.layout.head_dim)
         for part, shard in zip(parts, self.shards):
             first, last = shard.kv_heads
@@ -112,8 +114,9 @@ class TensorParallelRunner:
     @torch.inference_mode()
     def import_block(self, block_id: int, payload: bytes) -> None:
         payload = bytes(payload)
-        self.group.send("import_block", block_id, payload)
-        self.me.import_block(block_id, payload)
+        with self.group.failing():
+            self.group.send("import_block", block_id, payload)
+            self.me.import_block(block_id, payload)
 
     def close(self) -> None:
         self.group.close()
