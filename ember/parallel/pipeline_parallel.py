@@ -16,21 +16,20 @@ KV blocks stay whole-model: each stage holds its layers of every block, an expor
 """
 from __future__ import annotations
 
-import statistics
-import time
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ember.bench.measure import median_time
 from ember.engine.attention import PagedAttention
 from ember.engine.kv_cache import PagedKVCache
 from ember.engine.model_runner import ModelRunner, StepInputs
 from ember.engine.scheduler import ScheduledBatch
 from ember.kv.block_hash import KVLayout
 from ember.parallel import group
-from ember.parallel.tensor_parallel import ShardedKVCache, model_args
+from ember.parallel.tensor_parallel import ParallelRunner, ShardedKVCache, model_args
 
 
 def partition(num_layers: int, stages: int, layer: float, first_extra: float, last_extra: float) -> list[int]:
@@ -81,13 +80,7 @@ def measure_costs(args, dtype: torch.dtype, rows: int, reps: int = 5) -> dict[st
         return out.transpose(0, 1)
 
     def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return 1000 * statistics.median(times)
+        return 1000 * median_time(fn, reps=reps)
     with torch.inference_mode():
         return {"embedding": best(lambda: F.embedding(ids, embedding)),
                 "layer": best(lambda: layer(x, cos, sin, attend, 0)),
@@ -152,7 +145,7 @@ def _stage_main(rank: int, world: int, port: int, config, bounds, layout, num_bl
     group.serve(rank, world, port, threads, lambda: StageRank(config, rank, bounds, layout, num_blocks))
 
 
-class PipelineParallelRunner:
+class PipelineParallelRunner(ParallelRunner):
     """The driver's side: ModelRunner's `run` over `pipeline_parallel` stages."""
 
     def __init__(self, config, layout: KVLayout, num_blocks: int):
@@ -223,13 +216,3 @@ class PipelineParallelRunner:
             self.group.send("export", block_ids, self._layers_width)
             parts = self.me.export(block_ids, self._layers_width)
         return torch.cat([p[:c] for p, c in zip(parts, self.counts)])
-
-    @torch.inference_mode()
-    def import_block(self, block_id: int, payload: bytes) -> None:
-        payload = bytes(payload)
-        with self.group.failing():
-            self.group.send("import_block", block_id, payload)
-            self.me.import_block(block_id, payload)
-
-    def close(self) -> None:
-        self.group.close()

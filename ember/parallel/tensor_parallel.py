@@ -67,7 +67,21 @@ def _rank_main(rank: int, world: int, port: int, config, layout: KVLayout, num_b
                 lambda: TensorRank(config, plan(model_args(config), world)[rank], layout, num_blocks))
 
 
-class TensorParallelRunner:
+class ParallelRunner:
+    """What the tensor- and pipeline-parallel drivers share: `group` (group.RankGroup), `me` (rank 0)."""
+
+    @torch.inference_mode()
+    def import_block(self, block_id: int, payload: bytes) -> None:
+        payload = bytes(payload)
+        with self.group.failing():
+            self.group.send("import_block", block_id, payload)
+            self.me.import_block(block_id, payload)
+
+    def close(self) -> None:
+        self.group.close()
+
+
+class TensorParallelRunner(ParallelRunner):
     """The driver's side: ModelRunner's `run`, over `tensor_parallel` ranks."""
 
     def __init__(self, config, layout: KVLayout, num_blocks: int):
@@ -110,16 +124,6 @@ class TensorParallelRunner:
             first, last = shard.kv_heads
             whole[:, :, :, :, first:last] = part[:, :, :, :, :last - first]  # a replica writes the same values
         return whole
-
-    @torch.inference_mode()
-    def import_block(self, block_id: int, payload: bytes) -> None:
-        payload = bytes(payload)
-        with self.group.failing():
-            self.group.send("import_block", block_id, payload)
-            self.me.import_block(block_id, payload)
-
-    def close(self) -> None:
-        self.group.close()
 
 
 class ShardedKVCache:
