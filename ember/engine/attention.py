@@ -69,12 +69,13 @@ class DecodeBatch:
     @cached_property
     def valid(self) -> torch.Tensor:
         """[B, T]: which of each sequence's T = max(query_lens) rows are real."""
-        return torch.arange(int(self.query_lens.max()))[None, :] < self.query_lens[:, None]
+        steps = torch.arange(int(self.query_lens.max()), device=self.query_lens.device)
+        return steps[None, :] < self.query_lens[:, None]
 
     @cached_property
     def rows(self) -> torch.Tensor:
         """[B, T]: each sequence's rows in the step (a shorter one repeats its last)."""
-        steps = torch.arange(self.valid.shape[1])
+        steps = torch.arange(self.valid.shape[1], device=self.valid.device)
         return self.token_indices[:, None] + torch.minimum(steps[None, :], self.query_lens[:, None] - 1)
 
     @cached_property
@@ -149,23 +150,33 @@ class PagedAttention:
 
     def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor,
                  prefills: list[PrefillChunk], decode: DecodeBatch | None, scale: float,
-                 batch_invariant: bool | None = None, kernel: bool | None = None):
+                 batch_invariant: bool | None = None, kernel: bool | None = None, triton: bool = False):
+        """batch_invariant: None: on the bf16 path; kernel: the C++ kernel (None: when available);
+        triton: one-token decodes in the Triton kernel (ember.engine.device), the rest in torch."""
         self.cache = cache
+        self.device = cache.kv.device
         self.slot_mapping = slot_mapping
         self.prefills = prefills
         self.decode = decode
         self.scale = scale
         self.block_size = cache.layout.block_size
         # None: the served bf16 path is batch-invariant, the fp32 reference path keeps SDPA
+        if triton:
+            batch_invariant = False
         self.batch_invariant = cache.dtype != torch.float32 if batch_invariant is None else batch_invariant
         # the batch-invariant path runs in the C++ kernel when it could be built (None: when available)
         use_kernel = self.batch_invariant and (cpu_attention.fits(cache.layout.head_dim) if kernel is None else kernel)
         self.tiles = self._tiles(prefills, decode) if use_kernel else None
-        if decode is not None and self.tiles is None:  # the torch recipes' padded tables and masks
+        self.triton_decode = triton and decode is not None and decode.valid.shape[1] == 1
+        if self.triton_decode:  # the kernel's int32 tables and lengths, made once for every layer
+            self.triton_tables = decode.block_tables.to(torch.int32)
+            self.triton_lens = decode.context_lens.to(torch.int32)
+        elif decode is not None and self.tiles is None:  # the torch recipes' padded tables and masks
             self.decode_tables = self._pad_tables(decode.block_tables)
             max_len = self.decode_tables.shape[1] * self.block_size
             # [B, 1, T, max_len]: True where a key is context of a row's token (at or before it)
-            self.decode_mask = (torch.arange(max_len)[None, None, :] <= decode.positions[:, :, None])[:, None]
+            keys = torch.arange(max_len, device=self.device)
+            self.decode_mask = (keys[None, None, :] <= decode.positions[:, :, None])[:, None]
             self.decode_hidden = ~self.decode_mask
             self._masks: dict = {}
 
@@ -198,7 +209,8 @@ class PagedAttention:
         v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, v)
         if self.tiles is not None:  # every row of the step, in one kernel call
             return cpu_attention.paged_attention(q.contiguous(), k_cache, v_cache, self.tiles, self.scale)
-        decode = self._decode_exact if self.batch_invariant else self._decode
+        decode = self._decode_triton if self.triton_decode else self._decode_exact if self.batch_invariant \
+            else self._decode
         if not self.prefills:  # decode-only step: rows are already in order
             return decode(q, layer_idx)
         prefill = self._prefill_exact if self.batch_invariant else self._prefill
@@ -218,8 +230,8 @@ class PagedAttention:
         else:
             total = chunk.context_start + chunk.num_tokens
             keys, values = (x[0, :total] for x in self._gather(layer_idx, chunk.block_table[None]))
-            query_pos = chunk.context_start + torch.arange(chunk.num_tokens)
-            mask, causal = torch.arange(total)[None, :] <= query_pos[:, None], False  # [n, total]
+            query_pos = chunk.context_start + torch.arange(chunk.num_tokens, device=self.device)
+            mask, causal = torch.arange(total, device=self.device)[None, :] <= query_pos[:, None], False  # [n, total]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                              values.transpose(0, 1)[None], attn_mask=mask, is_causal=causal,
                                              scale=self.scale, enable_gqa=True)
@@ -260,7 +272,7 @@ class PagedAttention:
         if d.dense:
             per_seq = q.float().view(batch, width, num_heads, head_dim)
         else:
-            per_seq = torch.zeros(batch, width, num_heads, head_dim, dtype=torch.float32)
+            per_seq = torch.zeros(batch, width, num_heads, head_dim, dtype=torch.float32, device=q.device)
             per_seq[d.valid] = q.float()
         qg = per_seq.view(batch, width, num_kv_heads, group, head_dim).transpose(1, 2)
         qg = qg.reshape(batch, num_kv_heads, width * group, head_dim)
@@ -301,6 +313,11 @@ class PagedAttention:
         mask = self._rows_mask(self.decode_mask, num_heads // num_kv_heads, qg.shape[2])
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
         return self._ungrouped(out, num_heads, q.dtype)
+
+    def _decode_triton(self, q: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        from ember.kernels.triton_paged_attention import paged_decode_attention  # (imports triton: only here)
+        k_cache, v_cache = self.cache.layer(layer_idx)
+        return paged_decode_attention(q, k_cache, v_cache, self.triton_tables, self.triton_lens, self.scale)
 
     def _decode_exact(self, q: torch.Tensor, layer_idx: int) -> torch.Tensor:
         num_heads = q.shape[1]

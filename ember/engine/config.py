@@ -17,6 +17,12 @@ from ember.model.files import check_pair, resolve_serving
 
 
 class EngineSettings(Section):
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where the engine runs; auto: CUDA when torch sees a GPU (dense weights, Triton "
+                            "decode attention), else CPU (ember.engine.device)")
+    attention_backend: Literal["auto", "torch", "cpp", "triton"] = Field(
+        "auto", description="attention kernels; auto: triton on CUDA, the batch-invariant C++ kernel for bf16 "
+                            "on CPU, torch for fp32 on CPU; triton on CPU needs TRITON_INTERPRET=1 (slow)")
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="activations and KV; auto: bfloat16 for q4 weights, else the checkpoint's "
                             "(float32 for a GGUF)")
@@ -95,19 +101,31 @@ class EngineConfig(EngineSettings):
 
     @model_validator(mode="after")
     def _resolve_auto(self):
+        from ember.engine.device import attention_backend, resolve_device  # (torch: only engines build this)
+        device = resolve_device(self.device)
+        if device.type == "cuda":  # q4's int4 kernels are CPU code: a GPU serves dense bf16 unless told
+            if self.weights == "q4":
+                raise ValueError("weights 'q4' runs on CPU int4 kernels: on CUDA set weights: dense (or device: cpu)")
+            object.__setattr__(self, "weights", "dense")
+            if self.dtype == "auto":
+                object.__setattr__(self, "dtype", "bfloat16")
+        object.__setattr__(self, "device", device.type)
         dtype, weights = resolve_serving(self.model, self.dtype, self.weights)
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "weights", weights)
         if weights == "q4" and (self.tensor_parallel > 1 or self.pipeline_parallel > 1):
             raise ValueError("tensor and pipeline parallelism serve dense weights for now: set weights: dense")
+        object.__setattr__(self, "attention_backend", attention_backend(self.attention_backend, device, dtype))
         return self
 
     def torch_threads(self) -> int:
         return self.threads or os.cpu_count() or 1
 
     def pool_bytes(self) -> int:
-        """The KV pool's size: kv_cache_mb, else the fraction of memory available now."""
+        """The KV pool's size: kv_cache_mb, else the fraction of the device's memory available now."""
         if self.kv_cache_mb is not None:
             return self.kv_cache_mb * 2**20
-        import psutil
-        return int(psutil.virtual_memory().available * self.kv_cache_memory_fraction)
+        import torch
+
+        from ember.engine.device import available_memory
+        return int(available_memory(torch.device(self.device)) * self.kv_cache_memory_fraction)

@@ -89,22 +89,28 @@ class LLMEngine:
             self.cache = self.runner.cache  # whole-model blocks in and out, every rank its part
             self.kernels = [*self.runner.kernels, name]
         else:
-            self.cache = PagedKVCache(self.layout, num_blocks)
+            device = torch.device(config.device)
+            self.loaded.model.to(device)  # (its weights were read into host memory)
+            self.cache = PagedKVCache(self.layout, num_blocks, device)
         self.block_manager = BlockManager(num_blocks, config.block_size, root_hash(self.layout))
         self.frame_template = wire.layout_header(self.layout, self.block_manager.root_hash)  # what frames must say
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
         if not parallel:
-            self.kernels = optimize(self.loaded.model) if config.optimize else []
+            on_cpu = config.device == "cpu"
+            self.kernels = optimize(self.loaded.model) if config.optimize and on_cpu else []
             capture = () if config.enforce_eager or not config.optimize else tuple(config.capture_sizes)
-            self.runner = ModelRunner(self.loaded.model, self.cache, capture)
+            self.runner = ModelRunner(self.loaded.model, self.cache, capture, config.attention_backend)
             if self.runner.captured is not None:
                 self.kernels = [*self.kernels, "captured-step"]
+        if config.attention_backend == "triton":
+            self.kernels = [*self.kernels, "triton-paged-decode-attention"]
         eos = self.tokenizer.eos_token_id
         self.eos_token_id = eos if eos is not None else args.eos_token_id
         self.grammars = Grammars(self.tokenizer.backend.to_str(), args.vocab_size, self.eos_token_id)
-        # batch-invariant (bf16) steps give a position the same logits in a verify step as in a
-        # decode step, so speculation changes no token there; fp32's SDPA does not promise that
-        auto = DEFAULT_SPECULATIVE_TOKENS if config.dtype != "float32" else 0
+        # batch-invariant steps (bf16 on CPU) give a position the same logits in a verify step as in a
+        # decode step, so speculation changes no token there; SDPA (fp32) and Triton do not promise that
+        batch_invariant = config.dtype != "float32" and config.attention_backend in ("cpp", "torch")
+        auto = DEFAULT_SPECULATIVE_TOKENS if batch_invariant else 0
         self.speculative_tokens = auto if config.speculative_tokens is None else config.speculative_tokens
         self.ngram_range = (config.speculative_ngram_min, config.speculative_ngram_max)
         self.speculative_max_batch = config.speculative_max_batch

@@ -19,7 +19,7 @@ _BYTE_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.flo
 
 
 class PagedKVCache:
-    def __init__(self, layout: KVLayout, num_blocks: int):
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu"):
         self.layout = layout
         self.num_blocks = num_blocks
         self.dtype = _TORCH_DTYPES[layout.dtype]
@@ -27,7 +27,10 @@ class PagedKVCache:
         # Zeroed pages straight from the OS (calloc): no up-front memset of the whole pool,
         # pages are touched as blocks are first written. Zeros matter: attention reads the
         # unwritten tail of a block (masked), and 0 * garbage could be NaN.
-        self.kv = torch.from_numpy(np.zeros(shape, dtype=_NUMPY_TWIN[self.dtype])).view(self.dtype)
+        if torch.device(device).type == "cpu":
+            self.kv = torch.from_numpy(np.zeros(shape, dtype=_NUMPY_TWIN[self.dtype])).view(self.dtype)
+        else:
+            self.kv = torch.zeros(shape, dtype=self.dtype, device=device)
         self.block_shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
 
     @property
@@ -38,13 +41,22 @@ class PagedKVCache:
         """K and V caches of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
         return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
 
+    @property
+    def device(self) -> torch.device:
+        return self.kv.device
+
     def export_block(self, block_id: int) -> bytes:
-        block = self.kv[:, :, block_id].contiguous()
+        block = self.kv[:, :, block_id].contiguous().cpu()
         return block.view(_BYTE_VIEW[self.dtype]).numpy().tobytes()
 
     def import_block(self, block_id: int, payload: bytes | bytearray | memoryview) -> None:
         if len(payload) != self.layout.block_bytes:
             raise ValueError(f"KV block payload is {len(payload)} bytes, layout needs {self.layout.block_bytes}")
+        as_int = _BYTE_VIEW[self.dtype]
+        dst = self.kv[:, :, block_id].view(as_int)
         # through numpy: it reads read-only memory (a shared kvstore arena) without a copy
-        dst = self.kv[:, :, block_id].view(_BYTE_VIEW[self.dtype]).numpy()
-        np.copyto(dst, np.frombuffer(payload, dtype=dst.dtype).reshape(self.block_shape))
+        src = np.frombuffer(payload, dtype=np.int16 if self.kv.element_size() == 2 else np.int32)
+        if dst.is_cuda:  # one host-to-device copy of the block
+            dst.copy_(torch.from_numpy(src.reshape(self.block_shape).copy()))
+        else:
+            np.copyto(dst.numpy(), src.reshape(self.block_shape))

@@ -1,7 +1,7 @@
 """Turns a scheduled batch into tensors, runs the model, returns logits of sampled rows."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -24,15 +24,19 @@ class StepInputs:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, cache: PagedKVCache, capture_sizes: tuple[int, ...] = ()):
+    def __init__(self, model: LlamaModel, cache: PagedKVCache, capture_sizes: tuple[int, ...] = (),
+                 attention_backend: str = "auto"):
         """capture_sizes: the batch-size buckets of the captured step (ember.kernels.cpu_step), where
-        the model's step can be captured; empty: every step op by op."""
+        the model's step can be captured; empty: every step op by op. attention_backend: as resolved by
+        ember.engine.device ("auto": what PagedAttention picks for the cache's dtype)."""
         self.model = model
         self.cache = cache
+        self.device = cache.kv.device
+        self.attention_backend = attention_backend
         self.block_size = cache.layout.block_size
         self.scale = model.args.head_dim ** -0.5
         self.captured = None
-        if capture_sizes and cpu_step.unsupported(model, cache) is None:
+        if capture_sizes and self.device.type == "cpu" and cpu_step.unsupported(model, cache) is None:
             self.captured = cpu_step.CapturedStep(model, cache, capture_sizes)
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
@@ -79,16 +83,31 @@ class ModelRunner:
                                  torch.tensor(decode_queries))
         return StepInputs(input_ids, positions, slots, prefills, decode, sample_rows), sampled
 
+    def attention(self, inputs: StepInputs) -> PagedAttention:
+        """The step's attention over this runner's cache, its tensors on the cache's device."""
+        prefills, decode, device = inputs.prefills, inputs.decode, self.device
+        if device.type != "cpu":
+            prefills = [replace(c, block_table=c.block_table.to(device)) for c in prefills]
+            if decode is not None:
+                decode = DecodeBatch(decode.token_indices.to(device), decode.block_tables.to(device),
+                                     decode.context_lens.to(device), decode.query_lens.to(device))
+        backend = self.attention_backend
+        return PagedAttention(self.cache, self.tensor(inputs.slots), prefills, decode, self.scale,
+                              kernel=False if backend == "torch" else None, triton=backend == "triton")
+
+    def tensor(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, device=self.device)
+
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits [len(sample_rows), V] (this rank's vocabulary rows under tensor parallelism)."""
-        attend = PagedAttention(self.cache, torch.tensor(inputs.slots), inputs.prefills, inputs.decode, self.scale)
-        input_ids, positions = torch.tensor(inputs.input_ids), torch.tensor(inputs.positions)
+        """Logits [len(sample_rows), V] on the CPU (this rank's vocabulary rows under tensor parallelism)."""
+        attend = self.attention(inputs)
+        input_ids, positions = self.tensor(inputs.input_ids), self.tensor(inputs.positions)
         if self.captured is not None and len(input_ids) <= self.captured.max_rows and attend.tiles is not None:
             hidden = self.model.norm(self.captured(self.model.embed(input_ids), positions, attend.slot_mapping,
                                                    attend.tiles, self.scale))
         else:
             hidden = self.model(input_ids, positions, attend)
         if not inputs.sample_rows:
-            return hidden.new_empty(0, self.model.args.vocab_size, dtype=torch.float32)
-        return self.model.compute_logits(hidden[inputs.sample_rows])
+            return torch.empty(0, self.model.args.vocab_size, dtype=torch.float32)
+        return self.model.compute_logits(hidden[self.tensor(inputs.sample_rows)]).cpu()

@@ -1,15 +1,15 @@
 """The process group of a parallel engine: this process is rank 0, the driver; it spawns ranks
 1..N-1 and sends them commands. Used by tensor_parallel.py and pipeline_parallel.py.
 
-Communication is torch.distributed, its backend chosen in `backend()`: gloo on CPU (NCCL would be
-CUDA's). A rank that dies breaks its peers' next collective (gloo: the connection closes), every
+Communication is torch.distributed, its backend chosen with the ranks' devices in ember.engine.device
+(gloo on CPU; NCCL when every rank has a GPU; gloo with CUDA tensors staged through host memory when
+ranks share one). A rank that dies breaks its peers' next collective (gloo: the connection closes), every
 collective has the group's timeout, and a rank that dies while starting fails the start at once:
 the engine fails instead of hanging.
 """
 from __future__ import annotations
 
 import datetime
-import os
 import socket
 import threading
 from contextlib import contextmanager
@@ -18,12 +18,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ember.engine.device import collective_backend, host_staged, rank_device
+
 START_TIMEOUT_S = 300  # ranks loading their parts and joining the group
-
-
-def backend() -> str:
-    """The one place the communication backend is chosen."""
-    return "nccl" if torch.cuda.is_available() and os.environ.get("EMBER_DEVICE") == "cuda" else "gloo"
 
 
 def _free_port() -> int:
@@ -32,16 +29,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def join(rank: int, world: int, port: int) -> None:
-    dist.init_process_group(backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+def join(rank: int, world: int, port: int, device: torch.device) -> None:
+    backend = collective_backend(device, world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank_device(device, rank, world))
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=START_TIMEOUT_S))
 
 
-def serve(rank: int, world: int, port: int, threads: int, make) -> None:
+def comm_device() -> torch.device:
+    """Where a collective's tensors live: the rank's GPU under NCCL, host memory under gloo."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_reduce(t: torch.Tensor) -> torch.Tensor:
+    """Sum t over the ranks, in place (through host memory for a CUDA tensor under gloo)."""
+    if host_staged(t):
+        host = t.cpu()
+        dist.all_reduce(host)
+        return t.copy_(host)
+    dist.all_reduce(t)
+    return t
+
+
+def serve(rank: int, world: int, port: int, threads: int, make, device: torch.device) -> None:
     """A spawned rank's life: join, build its part (`make()`, an object whose methods are the
     commands), then run the driver's commands until "stop"."""
     torch.set_num_threads(threads)
-    join(rank, world, port)
+    join(rank, world, port, device)
     me = make()
     dist.barrier()  # every rank built
     while True:
@@ -58,12 +73,12 @@ def serve(rank: int, world: int, port: int, threads: int, make) -> None:
 class RankGroup:
     """The driver's handle on the spawned ranks."""
 
-    def __init__(self, world: int, target, args_of_rank, name: str):
+    def __init__(self, world: int, target, args_of_rank, name: str, device: torch.device):
         """target(rank, world, port, *args_of_rank(rank)) runs in each spawned rank (it calls serve)."""
         if dist.is_initialized():
             raise RuntimeError("one parallel engine per process: close the other one first (its ranks hold "
                                "this process's torch.distributed group)")
-        self.world = world
+        self.world, self.device = world, device
         self.port = _free_port()
         context = mp.get_context("spawn")
         self.procs = [context.Process(target=target, args=(r, world, self.port, *args_of_rank(r)), daemon=True,
@@ -78,7 +93,7 @@ class RankGroup:
 
         def run():
             try:
-                join(0, self.world, self.port)
+                join(0, self.world, self.port, self.device)
             except BaseException as e:  # noqa: BLE001  (re-raised below)
                 failed.append(e)
         joining = threading.Thread(target=run, daemon=True, name="ember-parallel-join")
@@ -144,7 +159,9 @@ class RankGroup:
 
 
 def gather_padded(t: torch.Tensor, width: int, dim: int) -> list[torch.Tensor] | None:
-    """Gather t (dim `dim` up to `width`, zero-padded to it) to rank 0: the list there, None elsewhere."""
+    """Gather t (dim `dim` up to `width`, zero-padded to it) to rank 0: the list there (in host
+    memory), None elsewhere."""
+    t = t.to(comm_device())
     pad = width - t.shape[dim]
     if pad:
         shape = list(t.shape)
@@ -153,7 +170,7 @@ def gather_padded(t: torch.Tensor, width: int, dim: int) -> list[torch.Tensor] |
     t = t.contiguous()
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
     dist.gather(t, out, dst=0)
-    return out
+    return None if out is None else [part.cpu() for part in out]
 
 
 def int_view(itemsize: int) -> torch.dtype:

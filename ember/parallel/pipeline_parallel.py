@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ember.bench.measure import median_time
-from ember.engine.attention import PagedAttention
+from ember.engine.device import rank_device
 from ember.engine.kv_cache import PagedKVCache
 from ember.engine.model_runner import ModelRunner, StepInputs
 from ember.engine.scheduler import ScheduledBatch
@@ -95,27 +95,29 @@ class StageRank:
         from ember.model.loader import load_model
         self.stage, self.bounds = stage, bounds
         self.first, self.last = stage == 0, stage == len(bounds) - 1
+        device = rank_device(torch.device(config.device), stage, len(bounds))
         self.loaded = load_model(config.model, config.dtype, config.weights, layers=bounds[stage])
         self.model = self.loaded.model
-        self.kernels = optimize(self.model) if config.optimize else []
+        self.kernels = optimize(self.model) if config.optimize and device.type == "cpu" else []
         if not self.last:
             self.model.lm_head = None  # (a packed copy of a tied embedding for logits this stage never computes)
         count = bounds[stage][1] - bounds[stage][0]
-        self.cache = PagedKVCache(replace(layout, num_layers=count), num_blocks)
-        self.scale = self.model.args.head_dim ** -0.5
-        self.runner = ModelRunner(self.model, self.cache)  # prepare() only (the driver's)
-        self.pending: list = []
+        self.model.to(device)
+        self.cache = PagedKVCache(replace(layout, num_layers=count), num_blocks, device)
+        # its attention() and tensor() serve the stage; prepare() is the driver's
+        self.runner = ModelRunner(self.model, self.cache, attention_backend=config.attention_backend)
 
     def _stage(self, inputs: StepInputs, x: torch.Tensor | None) -> torch.Tensor:
-        attend = PagedAttention(self.cache, torch.tensor(inputs.slots), inputs.prefills, inputs.decode, self.scale)
-        if self.first:
-            x = self.model.embed(torch.tensor(inputs.input_ids))
-        x = self.model.forward_layers(x, torch.tensor(inputs.positions), attend)
-        if not self.last:
-            return x
-        if not inputs.sample_rows:
-            return x.new_empty(0, self.model.args.vocab_size, dtype=torch.float32)
-        return self.model.compute_logits(self.model.norm(x)[inputs.sample_rows]).contiguous()
+        """This stage's part of a micro-batch; the result where collectives want it (group.comm_device)."""
+        attend, tensor = self.runner.attention(inputs), self.runner.tensor
+        x = self.model.embed(tensor(inputs.input_ids)) if self.first else x.to(self.cache.device)
+        x = self.model.forward_layers(x, tensor(inputs.positions), attend)
+        if self.last:
+            if inputs.sample_rows:
+                x = self.model.compute_logits(self.model.norm(x)[tensor(inputs.sample_rows)])
+            else:
+                x = x.new_empty(0, self.model.args.vocab_size, dtype=torch.float32)
+        return x.to(group.comm_device()).contiguous()
 
     def step(self, micro_batches: list[StepInputs]) -> None:
         """A stage after the first: receive each micro-batch's hidden states, compute, send on (the
@@ -123,7 +125,7 @@ class StageRank:
         hidden, dtype = self.model.args.hidden_size, self.model.norm.weight.dtype
         sends = []
         for inputs in micro_batches:
-            x = torch.empty(len(inputs.input_ids), hidden, dtype=dtype)
+            x = torch.empty(len(inputs.input_ids), hidden, dtype=dtype, device=group.comm_device())
             dist.recv(x, src=self.stage - 1)
             out = self._stage(inputs, x)
             sends.append((dist.isend(out, dst=0 if self.last else self.stage + 1), out))
@@ -142,7 +144,8 @@ class StageRank:
 
 
 def _stage_main(rank: int, world: int, port: int, config, bounds, layout, num_blocks: int, threads: int) -> None:
-    group.serve(rank, world, port, threads, lambda: StageRank(config, rank, bounds, layout, num_blocks))
+    group.serve(rank, world, port, threads, lambda: StageRank(config, rank, bounds, layout, num_blocks),
+                torch.device(config.device))
 
 
 class PipelineParallelRunner(ParallelRunner):
@@ -170,7 +173,8 @@ class PipelineParallelRunner(ParallelRunner):
         self.layout = layout
         self.micro_batches = config.pipeline_microbatches or self.stages
         self.group = group.RankGroup(self.stages, _stage_main,
-                                     lambda r: (config, self.bounds, layout, num_blocks, threads), "pp")
+                                     lambda r: (config, self.bounds, layout, num_blocks, threads), "pp",
+                                     torch.device(config.device))
         self.procs = self.group.procs
         try:
             self.group.join()
@@ -199,13 +203,13 @@ class PipelineParallelRunner(ParallelRunner):
             self.group.send("step", micro)
             sends = []
             for inputs in micro:  # stage 0 of each micro-batch, sent on while the next one is computed
-                hidden = self.me._stage(inputs, None).contiguous()
+                hidden = self.me._stage(inputs, None)
                 sends.append((dist.isend(hidden, dst=1), hidden))
             logits = []
             for inputs in micro:
-                out = torch.empty(len(inputs.sample_rows), self._vocab, dtype=torch.float32)
+                out = torch.empty(len(inputs.sample_rows), self._vocab, dtype=torch.float32, device=group.comm_device())
                 dist.recv(out, src=self.stages - 1)
-                logits.append(out)
+                logits.append(out.cpu())
             for work, _ in sends:
                 work.wait()
         return torch.cat(logits), sampled

@@ -15,18 +15,13 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import torch.distributed as dist
 
+from ember.engine.device import rank_device
 from ember.engine.kv_cache import PagedKVCache
 from ember.engine.model_runner import ModelRunner, StepInputs
 from ember.kv.block_hash import KVLayout
 from ember.parallel import group
 from ember.parallel.shard import RankShard, plan
-
-
-def _all_reduce(t: torch.Tensor) -> torch.Tensor:
-    dist.all_reduce(t)
-    return t
 
 
 def model_args(config):
@@ -42,11 +37,15 @@ class TensorRank:
         from ember.kernels import optimize
         from ember.model.loader import load_model
         self.shard, self.whole = shard, layout
+        device = rank_device(torch.device(config.device), shard.rank, shard.degree)
         self.loaded = load_model(config.model, config.dtype, config.weights, shard=shard)
-        self.loaded.model.set_tensor_parallel(_all_reduce, shard.vocab[0])
-        self.kernels = optimize(self.loaded.model) if config.optimize else []
-        self.cache = PagedKVCache(replace(layout, num_kv_heads=shard.kv_heads[1] - shard.kv_heads[0]), num_blocks)
-        self.runner = ModelRunner(self.loaded.model, self.cache)  # never captured: its layers all-reduce
+        self.loaded.model.set_tensor_parallel(group.all_reduce, shard.vocab[0])
+        self.kernels = optimize(self.loaded.model) if config.optimize and device.type == "cpu" else []
+        self.loaded.model.to(device)
+        self.cache = PagedKVCache(replace(layout, num_kv_heads=shard.kv_heads[1] - shard.kv_heads[0]), num_blocks,
+                                  device)
+        # never captured: its layers all-reduce
+        self.runner = ModelRunner(self.loaded.model, self.cache, attention_backend=config.attention_backend)
 
     def step(self, inputs: StepInputs, logits_width: int) -> list[torch.Tensor] | None:
         return group.gather_padded(self.runner.execute(inputs), logits_width, dim=1)
@@ -58,13 +57,14 @@ class TensorRank:
         w = self.whole
         as_int = group.int_view(self.cache.kv.element_size())
         full = torch.frombuffer(bytearray(payload), dtype=as_int).view(
-            w.num_layers, 2, w.block_size, w.num_kv_heads, w.head_dim)
+            w.num_layers, 2, w.block_size, w.num_kv_heads, w.head_dim)  # (a copy to the device where it lives)
         self.cache.kv[:, :, block_id].view(as_int).copy_(full[:, :, :, self.shard.kv_heads[0]:self.shard.kv_heads[1]])
 
 
 def _rank_main(rank: int, world: int, port: int, config, layout: KVLayout, num_blocks: int, threads: int) -> None:
     group.serve(rank, world, port, threads,
-                lambda: TensorRank(config, plan(model_args(config), world)[rank], layout, num_blocks))
+                lambda: TensorRank(config, plan(model_args(config), world)[rank], layout, num_blocks),
+                torch.device(config.device))
 
 
 class ParallelRunner:
@@ -89,7 +89,8 @@ class TensorParallelRunner(ParallelRunner):
         self.shards = plan(model_args(config), self.degree)
         self.layout = layout
         threads = max(1, config.torch_threads() // self.degree)
-        self.group = group.RankGroup(self.degree, _rank_main, lambda r: (config, layout, num_blocks, threads), "tp")
+        self.group = group.RankGroup(self.degree, _rank_main, lambda r: (config, layout, num_blocks, threads), "tp",
+                                     torch.device(config.device))
         self.procs = self.group.procs
         torch.set_num_threads(threads)
         try:
