@@ -209,7 +209,8 @@ BENCHES = {"engine": "engine_bench", "disagg": "disagg_bench", "kv": "kv_bench",
            "quality": "quality", "budget": "budget_bench", "served": "served_bench",
            "simulate": "sim_bench", "placement": "placement_bench", "chaos": "chaos", "overload": "overload",
            "security": "security_bench", "constrained": "constrained_bench",
-           "speculative": "speculative_bench", "decode": "decode_bench", "parallel": "parallel_bench"}
+           "speculative": "speculative_bench", "decode": "decode_bench", "parallel": "parallel_bench",
+           "gpu": "gpu_bench"}
 
 
 def cmd_bench(args) -> int:
@@ -288,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chaos: router.stall_timeout_s of the blackhole scenario's cluster (shipped default: 30)")
     b.add_argument("--max-inflight", type=int, default=8, help="overload: router.max_inflight (default: %(default)s)")
     b.add_argument("--clients", type=int, default=80, help="overload: concurrent streams (default: %(default)s)")
+    b.add_argument("--like", help="gpu: a folder with the config and tokenizer a random-weights --model is made "
+                                  "in the shape of, when --model does not exist (default: the default model's)")
     _add_engine_args(b)
     b.set_defaults(func=cmd_bench)
 

@@ -4,6 +4,7 @@ Prints one JSON line (run by test_gpu_path: on CUDA, and on CPU under Triton's i
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from ember.engine.config import EngineConfig
@@ -15,7 +16,8 @@ SHARED = "Once upon a time, in a small village by the sea, there lived an old fi
 
 
 def main(device: str, attention: str, dtype: str, max_tokens: int) -> None:
-    config = EngineConfig(device=device, attention_backend=attention, dtype=dtype, weights="dense",
+    model = {"model": os.environ["EMBER_TEST_MODEL"]} if os.environ.get("EMBER_TEST_MODEL") else {}
+    config = EngineConfig(**model, device=device, attention_backend=attention, dtype=dtype, weights="dense",
                           kv_cache_mb=64, threads=2)
     engine = LLMEngine(config)
     params = SamplingParams(max_tokens=max_tokens)

@@ -15,12 +15,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_NEW = 6
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the Triton-interpreter "
-                                                                     "twin runs on CPU")
+def needs_gpu(test):
+    skip = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the Triton-interpreter twin "
+                                                                   "runs on CPU")
+    return pytest.mark.gpu(skip(test))
 
 
 def run_check(device: str, attention: str, dtype: str, interpret: bool) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="2")
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="2")
     if interpret:
         env["TRITON_INTERPRET"] = "1"  # read when kernels are defined: set before import
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "gpu_engine_check.py"), device, attention, dtype,

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_check(device: str, interpret: bool) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     if interpret:
         env["TRITON_INTERPRET"] = "1"  # read when kernels are defined: set before import
     return subprocess.run([sys.executable, str(ROOT / "tests" / "triton_check.py"), device],
@@ -26,6 +26,7 @@ def test_paged_decode_kernel_under_the_triton_interpreter():
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the interpreter twin runs on CPU")
 def test_paged_decode_kernel_on_gpu():
     proc = run_check("cuda", interpret=False)
