@@ -49,6 +49,24 @@ def test_an_uneven_split_is_balanced_by_weights_read_not_refused():
     assert naive.num_heads == 6 and naive.num_kv_heads == 2
 
 
+def test_an_uneven_split_is_balanced_by_measured_cost():
+    """At decode a KV group costs more than its weights (it also reads its KV): measured, the rank with
+    two groups gets fewer MLP columns than the weights would give it, and the ranks' predicted costs
+    are within one column step of each other."""
+    from ember.parallel.shard import ShardCosts, rank_cost
+    from ember.parallel.tensor_parallel import measure_costs
+    measured = measure_costs(SMOL, torch.float32, rows=16, reps=3)
+    assert measured.group > 0 and measured.mlp_step > 0
+    by_weights = ShardCosts.by_weights(SMOL)
+    assert measured.group / measured.mlp_step > by_weights.group / by_weights.mlp_step
+    for costs in (measured, ShardCosts(group=10.0, mlp_step=1.0), ShardCosts(group=1.0, mlp_step=1.0)):
+        shards = plan(SMOL, 2, costs)
+        loads = [rank_cost(SMOL, r, costs) for r in shards]
+        assert abs(loads[0] - loads[1]) <= costs.mlp_step + 1e-9, (costs, loads)
+    columns = [plan(SMOL, 2, c)[0].columns[1] for c in (measured, by_weights)]
+    assert columns[0] < columns[1], "the measured split should move MLP columns off the two-group rank"
+
+
 @pytest.mark.parametrize("degree", [4, 6, 0])
 def test_a_degree_that_cannot_split_the_model_is_refused_with_the_reason(degree):
     with pytest.raises(ValueError, match="tensor_parallel"):
@@ -110,6 +128,9 @@ def test_tensor_parallel_greedy_tokens_equal_tp1_and_transformers(reference, hf_
     try:
         assert f"tensor-parallel-{degree}" in engine.kernels
         assert _greedy(engine) == reference
+        runner = engine.runner
+        assert (runner.costs is not None) == (degree == 2)  # only the uneven split is measured
+        assert runner.me.shard == runner.shards[0] and runner.shards == plan(loaded.args, degree, runner.costs)
         me = engine.runner.me
         assert me.loaded.weights_bytes < 0.75 * loaded.weights_bytes  # this rank read only its slices
     finally:

@@ -47,8 +47,8 @@ def _decode(engine, prompts: list[str], before_decode=None) -> dict:
 
 def _tensor_parallel(model: str, threads: int, degree: int) -> dict:
     from ember.engine.engine import LLMEngine
-    from ember.parallel import tensor_parallel
-    from ember.parallel.shard import plan
+    from ember.parallel import group
+    from ember.parallel.shard import rank_cost
     start = time.perf_counter()
     engine = LLMEngine(_config(model, threads, degree))
     load_s = time.perf_counter() - start
@@ -57,14 +57,19 @@ def _tensor_parallel(model: str, threads: int, degree: int) -> dict:
         reduce_s = [0.0]
         if degree > 1:
             me = engine.runner.me
-            shards = plan(engine.loaded.args, degree)
+            shards, costs = engine.runner.shards, engine.runner.costs
             result["rank0_weight_mb"] = round(me.loaded.weights_bytes / 2**20, 1)
             result["ranks"] = [{"rank": s.rank, "q_heads": s.q_heads, "kv_heads": s.kv_heads, "columns": s.columns,
                                 "vocab": s.vocab} for s in shards]
+            if costs is not None:  # an uneven split, balanced by measured cost
+                result["measured_costs_ms"] = {"kv_group": round(costs.group, 4),
+                                               "mlp_64_columns": round(costs.mlp_step, 4)}
+                result["predicted_rank_ms_per_layer"] = [round(rank_cost(engine.loaded.args, s, costs), 4)
+                                                         for s in shards]
 
             def timed(t):
                 t0 = time.perf_counter()
-                out = tensor_parallel._all_reduce(t)
+                out = group.all_reduce(t)
                 reduce_s[0] += time.perf_counter() - t0
                 return out
             me.loaded.model.set_tensor_parallel(timed, me.shard.vocab[0])  # the driver's side only

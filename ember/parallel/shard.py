@@ -8,9 +8,10 @@ rows each rank owns, and which slice of each checkpoint tensor that is.
   share of one group's query heads and a replica of that group's KV head.
 - When groups do not divide evenly (TP = 2 over 3 groups), ranks get whole groups as evenly as
   possible and the MLP's columns (gate/up column-parallel, down row-parallel, one all-reduce)
-  even out the difference: each rank's share of the weights a token reads (a decode step reads
-  every weight once, so its time follows those bytes: BENCHMARKS.md) is as equal as `ALIGN`-column
-  steps allow.
+  even out the difference: each rank's cost is as equal as `ALIGN`-column steps allow. The cost of
+  a KV group and of `ALIGN` MLP columns is measured when the engine starts
+  (tensor_parallel.measure_costs: at decode, attention's share is more than its weights, as it also
+  reads the group's KV); without a measurement, the weights a token reads stand in for it.
 - The embedding and the (tied) output layer are vocab-parallel: a rank holds a contiguous range of
   rows; lookups outside it give zeros (then one all-reduce), logits are gathered to the driver.
 """
@@ -59,9 +60,23 @@ def mlp_params(args: ModelArgs, columns: int) -> int:
     return 3 * columns * args.hidden_size
 
 
-def plan(args: ModelArgs, degree: int) -> list[RankShard]:
-    """Every rank's shard at tensor-parallel `degree`. Raises ValueError for a degree that cannot
-    split this model (its reason in the message)."""
+@dataclass(frozen=True)
+class ShardCosts:
+    """What a step costs a rank (any unit): per KV group (its query heads, attention and projections),
+    and per ALIGN columns of the MLP."""
+    group: float
+    mlp_step: float
+
+    @staticmethod
+    def by_weights(args: ModelArgs) -> ShardCosts:
+        group = args.num_heads // args.num_kv_heads
+        return ShardCosts(attention_params(args, group, 1), mlp_params(args, ALIGN))
+
+
+def plan(args: ModelArgs, degree: int, costs: ShardCosts | None = None) -> list[RankShard]:
+    """Every rank's shard at tensor-parallel `degree`, balanced by `costs` (None: by the weights a
+    token reads). Raises ValueError for a degree that cannot split this model (its reason in the
+    message)."""
     if degree < 1:
         raise ValueError(f"tensor_parallel must be >= 1, got {degree}")
     heads, kv, group = args.num_heads, args.num_kv_heads, args.num_heads // args.num_kv_heads
@@ -77,17 +92,18 @@ def plan(args: ModelArgs, degree: int) -> list[RankShard]:
         kv_ranges = [(a // group, a // group + 1) for a, _ in q_ranges]
     if args.intermediate_size % ALIGN:
         raise ValueError(f"intermediate size {args.intermediate_size} is not a multiple of {ALIGN}")
-    attention = [attention_params(args, b - a, d - c) for (a, b), (c, d) in zip(q_ranges, kv_ranges)]
-    columns = _balanced_columns(args, attention)
+    costs = costs or ShardCosts.by_weights(args)
+    attention = [costs.group * (b - a) / group for a, b in q_ranges]
+    columns = _balanced_columns(attention, costs.mlp_step, args.intermediate_size // ALIGN)
     vocab = _split(args.vocab_size, degree)
     return [RankShard(r, degree, q_ranges[r], kv_ranges[r], columns[r], vocab[r]) for r in range(degree)]
 
 
-def _balanced_columns(args: ModelArgs, attention: list[int]) -> list[tuple[int, int]]:
-    """MLP columns per rank so that attention + MLP weights are as equal as ALIGN steps allow."""
-    degree, steps = len(attention), args.intermediate_size // ALIGN
-    per_step = mlp_params(args, ALIGN)
-    target = (sum(attention) + mlp_params(args, args.intermediate_size)) / degree
+def _balanced_columns(attention: list[float], per_step: float, steps: int) -> list[tuple[int, int]]:
+    """MLP columns per rank (`steps` of ALIGN in all) so that attention + MLP costs are as equal as
+    ALIGN steps allow."""
+    degree = len(attention)
+    target = (sum(attention) + steps * per_step) / degree
     counts = [max(0, round((target - a) / per_step)) for a in attention]
     while sum(counts) > steps:  # take from the heaviest rank that has columns, give to the lightest
         heavy = max((r for r in range(degree) if counts[r]), key=lambda r: (attention[r] + counts[r] * per_step, -r))
@@ -100,6 +116,13 @@ def _balanced_columns(args: ModelArgs, attention: list[int]) -> list[tuple[int, 
         out.append((start, start + c * ALIGN))
         start += c * ALIGN
     return out
+
+
+def rank_cost(args: ModelArgs, shard: RankShard, costs: ShardCosts) -> float:
+    """A rank's cost under `costs` (per layer)."""
+    group = args.num_heads // args.num_kv_heads
+    return costs.group * (shard.q_heads[1] - shard.q_heads[0]) / group \
+        + costs.mlp_step * (shard.columns[1] - shard.columns[0]) / ALIGN
 
 
 def rank_params(args: ModelArgs, shard: RankShard) -> int:

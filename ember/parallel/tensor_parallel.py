@@ -15,13 +15,15 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.nn.functional as F
 
+from ember.bench.measure import median_time
 from ember.engine.device import rank_device
 from ember.engine.kv_cache import PagedKVCache
 from ember.engine.model_runner import ModelRunner, StepInputs
 from ember.kv.block_hash import KVLayout
 from ember.parallel import group
-from ember.parallel.shard import RankShard, plan
+from ember.parallel.shard import ALIGN, RankShard, ShardCosts, plan
 
 
 def model_args(config):
@@ -61,10 +63,37 @@ class TensorRank:
         self.cache.kv[:, :, block_id].view(as_int).copy_(full[:, :, :, self.shard.kv_heads[0]:self.shard.kv_heads[1]])
 
 
-def _rank_main(rank: int, world: int, port: int, config, layout: KVLayout, num_blocks: int, threads: int) -> None:
-    group.serve(rank, world, port, threads,
-                lambda: TensorRank(config, plan(model_args(config), world)[rank], layout, num_blocks),
+def _rank_main(rank: int, world: int, port: int, config, shard: RankShard, layout: KVLayout, num_blocks: int,
+               threads: int) -> None:
+    group.serve(rank, world, port, threads, lambda: TensorRank(config, shard, layout, num_blocks),
                 torch.device(config.device))
+
+
+def measure_costs(args, dtype: torch.dtype, rows: int, context: int = 512, reps: int = 5) -> ShardCosts:
+    """Milliseconds, for a decode step of `rows` sequences of `context` tokens, of one KV group (its
+    QKV rows, attention over its keys and values, its o_proj columns) and of ALIGN MLP columns
+    (gate/up rows, SiLU, down columns), on random weights of the model's shape."""
+    torch.manual_seed(0)
+    group_size, d, h = args.num_heads // args.num_kv_heads, args.head_dim, args.hidden_size
+    x = torch.randn(rows, h, dtype=dtype)
+    qkv, o = torch.randn((group_size + 2) * d, h, dtype=dtype), torch.randn(h, group_size * d, dtype=dtype)
+    keys, values = torch.randn(2, rows, 1, context, d, dtype=dtype)
+    gate_up, down = torch.randn(2 * ALIGN, h, dtype=dtype), torch.randn(h, ALIGN, dtype=dtype)
+    repeat = 10  # each part takes microseconds: time ten in a row
+
+    def attention_group():
+        for _ in range(repeat):
+            q = F.linear(x, qkv)[:, :group_size * d].view(rows, group_size, 1, d)
+            out = F.scaled_dot_product_attention(q, keys, values, enable_gqa=True)
+            F.linear(out.reshape(rows, group_size * d), o)
+
+    def mlp_step():
+        for _ in range(repeat):
+            gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+            F.linear(F.silu(gate) * up, down)
+    with torch.inference_mode():
+        return ShardCosts(1000 * median_time(attention_group, reps=reps) / repeat,
+                          1000 * median_time(mlp_step, reps=reps) / repeat)
 
 
 class ParallelRunner:
@@ -86,13 +115,19 @@ class TensorParallelRunner(ParallelRunner):
 
     def __init__(self, config, layout: KVLayout, num_blocks: int):
         self.degree = config.tensor_parallel
-        self.shards = plan(model_args(config), self.degree)
-        self.layout = layout
+        args = model_args(config)
         threads = max(1, config.torch_threads() // self.degree)
-        self.group = group.RankGroup(self.degree, _rank_main, lambda r: (config, layout, num_blocks, threads), "tp",
+        torch.set_num_threads(threads)
+        # groups that do not split evenly over the ranks: MLP columns balance them, by measured cost
+        uneven = self.degree < args.num_kv_heads and args.num_kv_heads % self.degree
+        self.costs = measure_costs(args, getattr(torch, config.dtype), min(16, config.max_num_seqs)) if uneven \
+            else None
+        self.shards = plan(args, self.degree, self.costs)
+        self.layout = layout
+        self.group = group.RankGroup(self.degree, _rank_main,
+                                     lambda r: (config, self.shards[r], layout, num_blocks, threads), "tp",
                                      torch.device(config.device))
         self.procs = self.group.procs
-        torch.set_num_threads(threads)
         try:
             self.group.join()
             self.me = TensorRank(config, self.shards[0], layout, num_blocks)
