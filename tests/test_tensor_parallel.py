@@ -174,14 +174,31 @@ def test_blocks_are_whole_model_so_tp3_prefill_and_tp1_decode_exchange_them(make
     decode1 = make_engine(kv_cache_mb=64)
     assert decode1.import_blocks(ids, hashes, payloads) == len(hashes)
     assert _greedy(decode1, [prompt], 10)[0] == ref
+    # TP=2 takes TP=1's blocks straight from a same-host kvstore's shared memory: each rank maps the arena
+    from ember.kv.shm import ArenaReader, ArenaServer, sealed_arena
+    frames = single.export_frames(hashes)
+    arena, fd = sealed_arena("ember-test-tp", len(frames) * len(frames[0]))
+    for i, f in enumerate(frames):
+        arena[i * len(f):(i + 1) * len(f)] = f
+    store_id = os.urandom(16)
+    server = ArenaServer(f"@ember-test-tp-{store_id.hex()}", fd, len(arena), store_id)
     tp2 = _engine(2)
     try:
-        assert tp2.import_blocks(ids, hashes, single.export_blocks(hashes)) == len(hashes)
+        reader = ArenaReader(server.path, store_id)
+        size = len(frames[0])
+        views = [wire.decode_frame(reader.frame(i * size, size), tp2.frame_template, block_hash=h)
+                 for i, h in enumerate(hashes)]
+        assert ArenaReader.locate(views[0])[:2] == (server.path, store_id)
+        assert ArenaReader.locate(memoryview(bytes(views[0]))) is None  # a copy lies in no arena
+        assert tp2.import_blocks(ids, hashes, views) == len(hashes)
+        assert tp2.runner.shared_imports == len(hashes)  # the ranks read the arena, not bytes sent to them
         out = tp2.generate([prompt], SamplingParams(max_tokens=10))[0]
         assert out.cached_tokens == len(hashes) * single.config.block_size  # it used the imported blocks
         assert out.token_ids == ref
     finally:
         tp2.close()
+        server.close()
+        os.close(fd)
 
 
 @pytest.mark.timeout(300)

@@ -33,6 +33,9 @@ import os
 import socket
 import struct
 import threading
+import weakref
+
+import numpy as np
 
 from ember.errors import IntegrityError
 
@@ -127,8 +130,10 @@ class ArenaServer:
 class ArenaReader:
     """A read-only map of a same-host kvstore's arena; `frame(offset, length)` is a view."""
 
+    _open: list[weakref.ref] = []  # this process's readers, for locate()
+
     def __init__(self, path: str, store_id: bytes, timeout: float = 2.0):
-        self.store_id = store_id
+        self.path, self.store_id = path, store_id
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(timeout)
             sock.connect(_address(path))
@@ -148,6 +153,22 @@ class ArenaReader:
         finally:
             os.close(fds[0])
         self.view = memoryview(self._map)
+        self._base = _address_of(self.view)
+        ArenaReader._open = [r for r in ArenaReader._open if r() is not None] + [weakref.ref(self)]
+
+    @staticmethod
+    def locate(payload) -> tuple[str, bytes, int] | None:
+        """(socket path, store id, offset) of `payload` when it is a view into an arena this process
+        maps, so another process of this uid can map the same bytes (a parallel engine's ranks);
+        else None."""
+        if not isinstance(payload, memoryview):
+            return None
+        address = _address_of(payload)
+        for ref in ArenaReader._open:
+            reader = ref()
+            if reader is not None and reader._base <= address <= reader._base + len(reader.view) - len(payload):
+                return reader.path, reader.store_id, address - reader._base
+        return None
 
     def frame(self, offset: int, length: int) -> memoryview:
         if not 0 <= offset <= len(self.view) - length:
@@ -163,6 +184,11 @@ class ArenaReader:
             return ArenaReader(path, store_id)
         except OSError:
             return None
+
+
+def _address_of(view: memoryview) -> int:
+    """The memory address of a (read-only) buffer's first byte."""
+    return np.frombuffer(view, dtype=np.uint8).__array_interface__["data"][0]
 
 
 def _address(path: str) -> str:

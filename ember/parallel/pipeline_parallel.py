@@ -29,7 +29,7 @@ from ember.engine.model_runner import ModelRunner, StepInputs
 from ember.engine.scheduler import ScheduledBatch
 from ember.kv.block_hash import KVLayout
 from ember.parallel import group
-from ember.parallel.tensor_parallel import ParallelRunner, ShardedKVCache, model_args
+from ember.parallel.tensor_parallel import ParallelRunner, RankPart, ShardedKVCache, model_args
 
 
 def partition(num_layers: int, stages: int, layer: float, first_extra: float, last_extra: float) -> list[int]:
@@ -87,7 +87,7 @@ def measure_costs(args, dtype: torch.dtype, rows: int, reps: int = 5) -> dict[st
                 "head": best(lambda: F.linear(norm(x), embedding).float())}
 
 
-class StageRank:
+class StageRank(RankPart):
     """One stage's layers, its layers of the KV cache; its methods are the commands."""
 
     def __init__(self, config, stage: int, bounds: list[tuple[int, int]], layout: KVLayout, num_blocks: int):

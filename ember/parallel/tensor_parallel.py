@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from ember.bench.measure import median_time
@@ -32,7 +33,22 @@ def model_args(config):
     return read_model_args(model_folder(config.model))
 
 
-class TensorRank:
+class RankPart:
+    """What every rank's part does alike; its `import_block(block_id, payload)` is its own."""
+
+    _arenas: dict = {}  # (socket path, store id) -> ArenaReader: the site kvstores this rank maps
+
+    def import_shared(self, block_id: int, path: str, store_id: bytes, offset: int, length: int) -> None:
+        """Import a block straight from a same-host kvstore's shared memory (the driver verified it)."""
+        from ember.kv.shm import ArenaReader
+        key = (path, store_id)
+        if key not in self._arenas:
+            self._arenas[key] = ArenaReader(path, store_id)
+        self.import_block(block_id, self._arenas[key].frame(offset, length))
+        dist.barrier()  # read: the driver may let the kvstore's lease on it go
+
+
+class TensorRank(RankPart):
     """One rank's model shard, its slice of the KV cache and its runner; its methods are the commands."""
 
     def __init__(self, config, shard: RankShard, layout: KVLayout, num_blocks: int):
@@ -99,12 +115,24 @@ def measure_costs(args, dtype: torch.dtype, rows: int, context: int = 512, reps:
 class ParallelRunner:
     """What the tensor- and pipeline-parallel drivers share: `group` (group.RankGroup), `me` (rank 0)."""
 
+    shared_imports = 0  # blocks the ranks took straight from a kvstore's shared memory
+
     @torch.inference_mode()
     def import_block(self, block_id: int, payload: bytes) -> None:
-        payload = bytes(payload)
+        """Every rank takes its part of the block: from the same-host kvstore's shared memory when the
+        payload lies there (each rank maps the arena; no bytes through the driver), else sent to them."""
+        from ember.kv.shm import ArenaReader
+        where = ArenaReader.locate(payload)
         with self.group.failing():
-            self.group.send("import_block", block_id, payload)
+            if where is None:
+                payload = bytes(payload)
+                self.group.send("import_block", block_id, payload)
+                self.me.import_block(block_id, payload)
+                return
+            self.group.send("import_shared", block_id, *where, len(payload))
             self.me.import_block(block_id, payload)
+            dist.barrier()  # every rank has read it before the caller releases the lease
+            self.shared_imports += 1
 
     def close(self) -> None:
         self.group.close()
