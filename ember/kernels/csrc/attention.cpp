@@ -32,28 +32,12 @@ static inline void load_row(const void* base, int64_t index, int64_t d, float* d
     }
 }
 
-// exp(x) for x <= 0 (softmax arguments), one polynomial for every lane
+// exp(x) for x <= 0 (softmax arguments)
 static inline v16 vexp(v16 x) {
     const v16 lo = splat(-87.0f), zero = splat(0.0f);
     x = x < lo ? lo : x;
     x = x > zero ? zero : x;  // only keys past a row's position (weights set to 0 after) are > 0
-    const v16 fx = x * 1.44269504088896341f;  // x / ln 2
-    const v16 half = fx < 0 ? splat(-0.5f) : splat(0.5f);
-    i16v n = __builtin_convertvector(fx + half, i16v);  // round half away from zero
-    v16 nf = __builtin_convertvector(n, v16);
-    v16 r = x - nf * 0.693359375f;  // ln 2 split in two: the first part is exact times n
-    r = r - nf * -2.12194440e-4f;
-    v16 p = splat(1.9875691500e-4f);  // Cephes expf's minimax polynomial on [-ln2/2, ln2/2]
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    u16v bits = (u16v)((n + 127) << 23);  // 2^n
-    v16 scale;
-    std::memcpy(&scale, &bits, sizeof(scale));
-    return p * scale;
+    return exp_clamped(x);
 }
 
 // max of sc[0 .. n-1], n >= 1: sixteen lanes, then the lanes (max is exact in any order)

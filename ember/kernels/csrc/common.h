@@ -35,6 +35,29 @@ static inline uint16_t f32_to_bf16(float f) {  // round to nearest even, as torc
     return (uint16_t)(u >> 16);
 }
 
+// exp(x) for x already clamped to [-87, 87]: Cephes expf's minimax polynomial on [-ln2/2, ln2/2]
+// after a range reduction, for every lane; lane-wise IEEE operations only, so a lane's result does
+// not depend on its neighbours. SiLU (decoder_step.cpp) and softmax (attention.cpp) share it.
+static inline v16 exp_clamped(v16 x) {
+    const v16 fx = x * 1.44269504088896341f;  // x / ln 2
+    const v16 half = fx < 0 ? splat(-0.5f) : splat(0.5f);
+    const i16v n = __builtin_convertvector(fx + half, i16v);  // round half away from zero
+    const v16 nf = __builtin_convertvector(n, v16);
+    v16 r = x - nf * 0.693359375f;  // ln 2 split in two: the first part is exact times n
+    r = r - nf * -2.12194440e-4f;
+    v16 p = splat(1.9875691500e-4f);
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const u16v bits = (u16v)((n + 127) << 23);  // 2^n
+    v16 scale;
+    std::memcpy(&scale, &bits, sizeof(scale));
+    return p * scale;
+}
+
 static inline float lane_sum(v16 v) {  // fixed tree: 16 -> 8 -> 4 -> 2 -> 1
     float a[LANES];
     std::memcpy(a, &v, sizeof(a));

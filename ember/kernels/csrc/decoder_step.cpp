@@ -20,29 +20,12 @@ int ember_paged_attention(const void* q, int q_bf16, const void* k_cache, const 
 int ember_rms_norm(const uint16_t* x, const uint16_t* weight, uint16_t* out, int64_t rows, int64_t dim, float eps);
 }
 
-// exp(x) for any float x (clamped to +-87: SiLU's arguments), one polynomial (Cephes expf's) for
-// every lane; lane-wise IEEE operations, so a lane's result does not depend on its neighbours
+// exp(x) for any float x (clamped to +-87: SiLU's arguments)
 static inline v16 exp_poly(v16 x) {
     const v16 lo = splat(-87.0f), hi = splat(87.0f);
     x = x < lo ? lo : x;
     x = x > hi ? hi : x;
-    const v16 fx = x * 1.44269504088896341f;
-    const v16 half = fx < 0 ? splat(-0.5f) : splat(0.5f);
-    const i16v n = __builtin_convertvector(fx + half, i16v);  // round half away from zero
-    const v16 nf = __builtin_convertvector(n, v16);
-    v16 r = x - nf * 0.693359375f;
-    r = r - nf * -2.12194440e-4f;
-    v16 p = splat(1.9875691500e-4f);
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const u16v bits = (u16v)((n + 127) << 23);
-    v16 scale;
-    std::memcpy(&scale, &bits, sizeof(scale));
-    return p * scale;
+    return exp_clamped(x);
 }
 
 // sixteen floats rounded to bf16 (round to nearest even, NaN stays NaN: f32_to_bf16's rule), as the
