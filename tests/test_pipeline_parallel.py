@@ -2,14 +2,11 @@
 (spawned processes, gloo) on the exact fp32 path of the real model."""
 from __future__ import annotations
 
-import os
-import signal
-import threading
-
 import pytest
 
 from ember.engine.sampling_params import SamplingParams
 from ember.parallel.pipeline_parallel import partition, stage_costs
+from tests.parallel_kill import assert_a_killed_rank_fails_the_engine
 
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,", "def add(a, b):"]
 
@@ -95,26 +92,7 @@ def test_pipeline_blocks_are_whole_model_and_equal_tp1s_bytes(make_engine):
 
 @pytest.mark.timeout(300)
 def test_a_killed_stage_fails_the_engine_within_its_timeout_not_a_hang():
-    engine = _engine()
-    try:
-        assert engine.generate(PROMPTS[:1], SamplingParams(max_tokens=2))
-        victim = engine.runner.procs[0]
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.join(timeout=30)
-        failed: list[BaseException] = []
-
-        def step():
-            try:
-                engine.generate(PROMPTS[:1], SamplingParams(max_tokens=4))
-            except BaseException as e:  # noqa: BLE001
-                failed.append(e)
-        worker = threading.Thread(target=step, daemon=True)
-        worker.start()
-        worker.join(timeout=60)
-        assert not worker.is_alive(), "the engine hung on a dead stage"
-        assert failed and isinstance(failed[0], RuntimeError), failed
-    finally:
-        engine.close()
+    assert_a_killed_rank_fails_the_engine(_engine(), PROMPTS[0])
 
 
 @pytest.mark.timeout(300)

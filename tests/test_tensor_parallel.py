@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import signal
-import threading
 
 import pytest
 import torch
@@ -13,6 +11,7 @@ import torch
 from ember.engine.sampling_params import SamplingParams
 from ember.model.args import PRESETS
 from ember.parallel.shard import ALIGN, plan, rank_params, tensor_slice
+from tests.parallel_kill import assert_a_killed_rank_fails_the_engine
 
 SMOL = PRESETS["smollm2-135m"]
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village by the sea,"]
@@ -203,27 +202,7 @@ def test_blocks_are_whole_model_so_tp3_prefill_and_tp1_decode_exchange_them(make
 
 @pytest.mark.timeout(300)
 def test_a_killed_rank_fails_the_engine_within_its_timeout_not_a_hang():
-    engine = _engine(2)
-    try:
-        assert _greedy(engine, PROMPTS[:1], 2)
-        victim = engine.runner.procs[0]
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.join(timeout=30)
-        assert victim.exitcode == -signal.SIGKILL
-        failed: list[BaseException] = []
-
-        def step():
-            try:
-                _greedy(engine, PROMPTS[:1], 4)
-            except BaseException as e:  # noqa: BLE001
-                failed.append(e)
-        worker = threading.Thread(target=step, daemon=True)
-        worker.start()
-        worker.join(timeout=60)
-        assert not worker.is_alive(), "the engine hung on a dead rank"
-        assert failed and isinstance(failed[0], RuntimeError), failed
-    finally:
-        engine.close()
+    assert_a_killed_rank_fails_the_engine(_engine(2), PROMPTS[0])
 
 
 @pytest.mark.timeout(300)
