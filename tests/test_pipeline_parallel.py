@@ -109,3 +109,40 @@ def test_three_stages_and_chunked_prefill_give_tp1s_tokens(make_engine):
         assert [t for t, _ in _run(engine, prompts, 6)] == reference
     finally:
         engine.close()
+
+
+@pytest.mark.timeout(400)
+def test_tensor_and_pipeline_parallel_together(make_engine, hf_greedy):
+    """TP=2 x PP=2: two stages, each two tensor-parallel ranks (four processes). Greedy tokens equal
+    TP=1's and transformers'; its blocks are whole-model (TP=1 continues from them, and it from TP=1's,
+    imported); a killed rank fails it."""
+    from ember.kv.block_hash import chain_hashes
+    single = make_engine(kv_cache_mb=64)
+    reference = [t for t, _ in _run(single, PROMPTS, 10)]
+    prompt = PROMPTS[1] + " there lived an old fisherman who every morning went down to the harbour"
+    ids = single.tokenizer.encode(prompt)
+    hashes = chain_hashes(ids, single.config.block_size, single.block_manager.root_hash)
+    ref = single.generate([prompt], SamplingParams(max_tokens=8))[0].token_ids
+    engine = _engine(tensor_parallel=2)
+    try:
+        assert "tensor-parallel-2-x-pipeline-parallel-2" in engine.kernels
+        assert len(engine.runner.procs) == 3 and len(engine.runner.shards) == 2
+        assert [t for t, _ in _run(engine, PROMPTS, 10)] == reference
+        assert reference[1] == hf_greedy(engine.tokenizer.encode(PROMPTS[1]), 10)
+        engine.prefill(prompt)
+        payloads = engine.export_blocks(hashes)
+        # another layout of the same blocks: TP=1 continues from them to the same tokens
+        decode1 = make_engine(kv_cache_mb=64)
+        assert decode1.import_blocks(ids, hashes, payloads) == len(hashes)
+        assert decode1.generate([prompt], SamplingParams(max_tokens=8))[0].token_ids == ref
+    finally:
+        engine.close()
+    fresh = _engine(tensor_parallel=2)
+    try:
+        assert fresh.import_blocks(ids, hashes, single.export_blocks(hashes)) == len(hashes)
+        out = fresh.generate([prompt], SamplingParams(max_tokens=8))[0]
+        assert out.cached_tokens == len(hashes) * single.config.block_size and out.token_ids == ref
+    except BaseException:
+        fresh.close()
+        raise
+    assert_a_killed_rank_fails_the_engine(fresh, PROMPTS[0])

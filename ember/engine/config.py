@@ -50,8 +50,9 @@ class EngineSettings(Section):
     speculative_ngram_min: int = Field(2, gt=0, description="shortest suffix looked up")
     tensor_parallel: int = Field(1, ge=1, description="ranks (processes) each layer is split over, Megatron style "
                                                       "(ember.parallel); dense weights; KV blocks stay whole-model")
-    pipeline_parallel: int = Field(1, ge=1, description="stages (processes) the layers are split into, "
-                                                        "balanced by a measured cost profile (ember.parallel)")
+    pipeline_parallel: int = Field(1, ge=1, description="stages the layers are split into, balanced by a measured "
+                                                        "cost profile (ember.parallel); each stage is "
+                                                        "tensor_parallel ranks (processes)")
     pipeline_partition: list[int] | None = Field(None, description="layers per stage (forces the split); unset: "
                                                                    "from the measured cost profile")
     pipeline_microbatches: int = Field(0, ge=0, description="micro-batches of disjoint sequences a step is split "
@@ -83,8 +84,6 @@ class EngineSettings(Section):
     @model_validator(mode="after")
     def _pair(self):
         check_pair(self.dtype, self.weights)
-        if self.tensor_parallel > 1 and self.pipeline_parallel > 1:
-            raise ValueError("tensor_parallel and pipeline_parallel together are not supported yet: set one of them")
         if self.speculative_ngram_min > self.speculative_ngram_max:
             raise ValueError(f"speculative_ngram_min ({self.speculative_ngram_min}) must not exceed "
                              f"speculative_ngram_max ({self.speculative_ngram_max})")

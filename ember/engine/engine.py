@@ -79,12 +79,14 @@ class LLMEngine:
         self.layout = layout_of(args, self.loaded.fingerprint, config.dtype, config.block_size)
         num_blocks = config.num_kv_blocks or config.pool_bytes() // self.layout.block_bytes
         if parallel:
-            if config.tensor_parallel > 1:
-                from ember.parallel.tensor_parallel import TensorParallelRunner as Runner
-                name = f"tensor-parallel-{config.tensor_parallel}"
-            else:
+            if config.pipeline_parallel > 1:  # (each stage a group of tensor_parallel ranks)
                 from ember.parallel.pipeline_parallel import PipelineParallelRunner as Runner
                 name = f"pipeline-parallel-{config.pipeline_parallel}"
+                if config.tensor_parallel > 1:
+                    name = f"tensor-parallel-{config.tensor_parallel}-x-{name}"
+            else:
+                from ember.parallel.tensor_parallel import TensorParallelRunner as Runner
+                name = f"tensor-parallel-{config.tensor_parallel}"
             self.runner = Runner(config, self.layout, num_blocks)
             self.cache = self.runner.cache  # whole-model blocks in and out, every rank its part
             self.kernels = [*self.runner.kernels, name]

@@ -67,10 +67,8 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense",
     torch_dtype = DTYPES[dtype]
     tensors = {}
     for file in sorted(folder.glob("*.safetensors")):
-        if shard is not None:
-            tensors.update(_read_shard(file, torch_dtype, args, shard))
-        elif layers is not None:
-            tensors.update(_read_stage(file, torch_dtype, args, *layers))
+        if shard is not None or layers is not None:
+            tensors.update(_read_part(file, torch_dtype, args, shard, layers))
         else:
             # the embedding is only looked up by row: map it, don't load it (113 MB for SmolLM2)
             tensors.update(read_safetensors(file, torch_dtype, mapped=("model.embed_tokens.weight",)))
@@ -106,47 +104,39 @@ def read_metadata(path: str | Path, dtype: str = "float32", weights: str = "dens
                        weights_fingerprint(folder_fingerprint(folder), weights), path.stem, 0, weights)
 
 
-def _read_stage(file: Path, dtype: torch.dtype, args: ModelArgs, first: int, last: int) -> dict[str, torch.Tensor]:
-    """The tensors of decoder layers [first, last), renumbered from 0, the norms, and the embedding
-    where the stage uses it (the first stage looks tokens up; the last computes logits, with the
-    embedding when tied); elsewhere an empty one stands in."""
+def _read_part(file: Path, dtype: torch.dtype, args: ModelArgs, shard, layers: tuple[int, int] | None
+               ) -> dict[str, torch.Tensor]:
+    """A parallel rank's part of the file's tensors, read through safetensors' slices (only the part is
+    copied out of the map). layers: a pipeline stage's [first, last) decoder layers, renumbered from 0,
+    the norms, and the embedding where the stage uses it (the first stage looks tokens up; the last
+    computes logits, with the embedding when tied; elsewhere an empty one stands in). shard: a
+    tensor-parallel rank's slice of each tensor (ember.parallel.shard.tensor_slice)."""
     from safetensors import safe_open
+
+    from ember.parallel.shard import tensor_slice
+    first, last = layers if layers is not None else (0, args.num_layers)
     needs_embedding = first == 0 or (last == args.num_layers and args.tie_word_embeddings)
     tensors = {}
     with safe_open(str(file), framework="pt") as f:
         for name in f.keys():
+            name_here = name
             if name.startswith("model.layers."):
                 index = int(name.split(".")[2])
                 if not first <= index < last:
                     continue
                 name_here = f"model.layers.{index - first}." + name.split(".", 3)[3]
-            elif name == "model.embed_tokens.weight" and not needs_embedding:
+            elif (name == "model.embed_tokens.weight" and not needs_embedding) or \
+                    (name == "lm_head.weight" and last != args.num_layers):
                 tensors[name] = torch.empty(0, args.hidden_size, dtype=dtype)
                 continue
-            elif name == "lm_head.weight" and last != args.num_layers:
-                tensors[name] = torch.empty(0, args.hidden_size, dtype=dtype)
-                continue
-            else:
-                name_here = name
-            t = f.get_tensor(name)
-            tensors[name_here] = t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
-    return tensors
-
-
-def _read_shard(file: Path, dtype: torch.dtype, args: ModelArgs, shard) -> dict[str, torch.Tensor]:
-    """This rank's slice of every tensor in the file, read through safetensors' slices (only the
-    slice is copied out of the map)."""
-    from safetensors import safe_open
-
-    from ember.parallel.shard import tensor_slice
-    tensors = {}
-    with safe_open(str(file), framework="pt") as f:
-        for name in f.keys():
-            rows, cols = tensor_slice(name, args, shard)
             part = f.get_slice(name)
-            index = (slice(*rows) if rows else slice(None), slice(*cols) if cols else slice(None))
-            t = part[index[:len(part.get_shape())]]
-            tensors[name] = t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t.contiguous()
+            if shard is None:
+                t = part[:]
+            else:
+                rows, cols = tensor_slice(name, args, shard)
+                index = (slice(*rows) if rows else slice(None), slice(*cols) if cols else slice(None))
+                t = part[index[:len(part.get_shape())]]
+            tensors[name_here] = t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t.contiguous()
     return tensors
 
 

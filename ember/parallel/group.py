@@ -42,13 +42,14 @@ def comm_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
-def all_reduce(t: torch.Tensor) -> torch.Tensor:
-    """Sum t over the ranks, in place (through host memory for a CUDA tensor under gloo)."""
+def all_reduce(t: torch.Tensor, ranks=None) -> torch.Tensor:
+    """Sum t over the ranks (`ranks`: a subgroup's dist.new_group; None: all), in place (through host
+    memory for a CUDA tensor under gloo)."""
     if host_staged(t):
         host = t.cpu()
-        dist.all_reduce(host)
+        dist.all_reduce(host, group=ranks)
         return t.copy_(host)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=ranks)
     return t
 
 
@@ -158,15 +159,15 @@ class RankGroup:
                 p.join(timeout=10)
 
 
-def gather_padded(t: torch.Tensor, width: int, dim: int) -> list[torch.Tensor] | None:
-    """Gather t (dim `dim` up to `width`, zero-padded to it) to rank 0: the list there (in host
+def gather_padded(t: torch.Tensor, widths: dict[int, int]) -> list[torch.Tensor] | None:
+    """Gather t, each dim d in `widths` zero-padded up to widths[d], to rank 0: the list there (in host
     memory), None elsewhere."""
     t = t.to(comm_device())
-    pad = width - t.shape[dim]
-    if pad:
-        shape = list(t.shape)
-        shape[dim] = pad
-        t = torch.cat([t, t.new_zeros(shape)], dim=dim)
+    for dim, width in widths.items():
+        if width > t.shape[dim]:
+            shape = list(t.shape)
+            shape[dim] = width - t.shape[dim]
+            t = torch.cat([t, t.new_zeros(shape)], dim=dim)
     t = t.contiguous()
     out = [torch.empty_like(t) for _ in range(dist.get_world_size())] if dist.get_rank() == 0 else None
     dist.gather(t, out, dst=0)

@@ -17,6 +17,7 @@ KV blocks stay whole-model: each stage holds its layers of every block, an expor
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -29,7 +30,9 @@ from ember.engine.model_runner import ModelRunner, StepInputs
 from ember.engine.scheduler import ScheduledBatch
 from ember.kv.block_hash import KVLayout
 from ember.parallel import group
+from ember.parallel.shard import plan
 from ember.parallel.tensor_parallel import ParallelRunner, RankPart, ShardedKVCache, model_args
+from ember.parallel.tensor_parallel import measure_costs as tp_costs
 
 
 def partition(num_layers: int, stages: int, layer: float, first_extra: float, last_extra: float) -> list[int]:
@@ -88,27 +91,42 @@ def measure_costs(args, dtype: torch.dtype, rows: int, reps: int = 5) -> dict[st
 
 
 class StageRank(RankPart):
-    """One stage's layers, its layers of the KV cache; its methods are the commands."""
+    """One rank of a stage: the stage's layers (its tensor-parallel shard of them when the stage is a
+    group of `tp` ranks), those layers of the KV cache; its methods are the commands. Rank r is
+    stage r // tp, tensor-parallel rank r % tp; each talks to the same tensor-parallel rank of the
+    next stage (all of a stage's ranks hold the whole hidden state after its all-reduces)."""
 
-    def __init__(self, config, stage: int, bounds: list[tuple[int, int]], layout: KVLayout, num_blocks: int):
+    def __init__(self, config, rank: int, tp: int, bounds: list[tuple[int, int]], shards: list,
+                 layout: KVLayout, num_blocks: int):
         from ember.kernels import optimize
         from ember.model.loader import load_model
-        self.stage, self.bounds = stage, bounds
-        self.first, self.last = stage == 0, stage == len(bounds) - 1
-        device = rank_device(torch.device(config.device), stage, len(bounds))
-        self.loaded = load_model(config.model, config.dtype, config.weights, layers=bounds[stage])
+        self.rank, self.tp, self.bounds, self.whole = rank, tp, bounds, layout
+        self.stage, tp_rank = divmod(rank, tp)
+        self.first, self.last = self.stage == 0, self.stage == len(bounds) - 1
+        self.shard = shards[tp_rank]
+        # every rank makes every stage's tensor-parallel group, in the same order (dist.new_group's rule)
+        stage_groups = [dist.new_group([s * tp + t for t in range(tp)]) for s in range(len(bounds))] if tp > 1 \
+            else []
+        device = rank_device(torch.device(config.device), rank, len(bounds) * tp)
+        self.loaded = load_model(config.model, config.dtype, config.weights, shard=self.shard,
+                                 layers=bounds[self.stage])
         self.model = self.loaded.model
+        if self.shard is not None:
+            self.model.set_tensor_parallel(partial(group.all_reduce, ranks=stage_groups[self.stage]),
+                                           self.shard.vocab[0])
         self.kernels = optimize(self.model) if config.optimize and device.type == "cpu" else []
         if not self.last:
             self.model.lm_head = None  # (a packed copy of a tied embedding for logits this stage never computes)
-        count = bounds[stage][1] - bounds[stage][0]
+        count = bounds[self.stage][1] - bounds[self.stage][0]
+        heads = layout.num_kv_heads if self.shard is None else self.shard.kv_heads[1] - self.shard.kv_heads[0]
         self.model.to(device)
-        self.cache = PagedKVCache(replace(layout, num_layers=count), num_blocks, device)
+        self.cache = PagedKVCache(replace(layout, num_layers=count, num_kv_heads=heads), num_blocks, device)
         # its attention() and tensor() serve the stage; prepare() is the driver's
         self.runner = ModelRunner(self.model, self.cache, attention_backend=config.attention_backend)
 
     def _stage(self, inputs: StepInputs, x: torch.Tensor | None) -> torch.Tensor:
-        """This stage's part of a micro-batch; the result where collectives want it (group.comm_device)."""
+        """This stage's part of a micro-batch (the last stage's: its logits, of its vocabulary rows); the
+        result where collectives want it (group.comm_device)."""
         attend, tensor = self.runner.attention(inputs), self.runner.tensor
         x = self.model.embed(tensor(inputs.input_ids)) if self.first else x.to(self.cache.device)
         x = self.model.forward_layers(x, tensor(inputs.positions), attend)
@@ -120,42 +138,49 @@ class StageRank(RankPart):
         return x.to(group.comm_device()).contiguous()
 
     def step(self, micro_batches: list[StepInputs]) -> None:
-        """A stage after the first: receive each micro-batch's hidden states, compute, send on (the
-        last stage: the logits, to the driver)."""
+        """A rank other than the driver: each micro-batch's hidden states from the previous stage (the
+        first stage embeds), computed, sent on (the last stage: its logits, to the driver)."""
         hidden, dtype = self.model.args.hidden_size, self.model.norm.weight.dtype
         sends = []
         for inputs in micro_batches:
-            x = torch.empty(len(inputs.input_ids), hidden, dtype=dtype, device=group.comm_device())
-            dist.recv(x, src=self.stage - 1)
+            x = None
+            if not self.first:
+                x = torch.empty(len(inputs.input_ids), hidden, dtype=dtype, device=group.comm_device())
+                dist.recv(x, src=self.rank - self.tp)
             out = self._stage(inputs, x)
-            sends.append((dist.isend(out, dst=0 if self.last else self.stage + 1), out))
+            sends.append((dist.isend(out, dst=0 if self.last else self.rank + self.tp), out))
         for work, _ in sends:
             work.wait()
 
-    def export(self, block_ids: list[int], layers_width: int) -> list[torch.Tensor] | None:
-        return group.gather_padded(self.cache.kv[:, :, block_ids], layers_width, dim=0)
+    def export(self, block_ids: list[int], layers_width: int, heads_width: int) -> list[torch.Tensor] | None:
+        return group.gather_padded(self.cache.kv[:, :, block_ids], {0: layers_width, 4: heads_width})
 
     def import_block(self, block_id: int, payload: bytes) -> None:
         first, last = self.bounds[self.stage]
+        w = self.whole
+        heads = (0, w.num_kv_heads) if self.shard is None else self.shard.kv_heads
         as_int = group.int_view(self.cache.kv.element_size())
-        full = torch.frombuffer(bytearray(payload), dtype=as_int).view(-1, *self.cache.kv.shape[1:2],
-                                                                         *self.cache.kv.shape[3:])
-        self.cache.kv[:, :, block_id].view(as_int).copy_(full[first:last])
+        full = torch.frombuffer(bytearray(payload), dtype=as_int).view(w.num_layers, 2, w.block_size, w.num_kv_heads,
+                                                                         w.head_dim)
+        self.cache.kv[:, :, block_id].view(as_int).copy_(full[first:last, :, :, heads[0]:heads[1]])
 
 
-def _stage_main(rank: int, world: int, port: int, config, bounds, layout, num_blocks: int, threads: int) -> None:
-    group.serve(rank, world, port, threads, lambda: StageRank(config, rank, bounds, layout, num_blocks),
+def _stage_main(rank: int, world: int, port: int, config, tp: int, bounds, shards, layout, num_blocks: int,
+                threads: int) -> None:
+    group.serve(rank, world, port, threads, lambda: StageRank(config, rank, tp, bounds, shards, layout, num_blocks),
                 torch.device(config.device))
 
 
 class PipelineParallelRunner(ParallelRunner):
-    """The driver's side: ModelRunner's `run` over `pipeline_parallel` stages."""
+    """The driver's side: ModelRunner's `run` over `pipeline_parallel` stages, each a group of
+    `tensor_parallel` ranks (TP x PP: the stage's layers split Megatron style, tensor_parallel.py)."""
 
     def __init__(self, config, layout: KVLayout, num_blocks: int):
         args = model_args(config)
-        self.stages = config.pipeline_parallel
+        self.stages, self.tp = config.pipeline_parallel, config.tensor_parallel
+        world = self.stages * self.tp
         dtype = getattr(torch, config.dtype)
-        threads = max(1, config.torch_threads() // self.stages)
+        threads = max(1, config.torch_threads() // world)
         torch.set_num_threads(threads)
         self.costs = measure_costs(args, dtype, rows=min(16, config.max_num_seqs))
         if config.pipeline_partition:
@@ -170,15 +195,20 @@ class PipelineParallelRunner(ParallelRunner):
         self.predicted_ms = stage_costs(counts, self.costs["layer"], self.costs["embedding"], self.costs["head"])
         starts = [sum(counts[:i]) for i in range(len(counts))]
         self.bounds = [(s, s + c) for s, c in zip(starts, counts)]
+        self.shards = [None]
+        if self.tp > 1:
+            uneven = self.tp < args.num_kv_heads and args.num_kv_heads % self.tp
+            self.shard_costs = tp_costs(args, dtype, min(16, config.max_num_seqs)) if uneven else None
+            self.shards = plan(args, self.tp, self.shard_costs)
         self.layout = layout
         self.micro_batches = config.pipeline_microbatches or self.stages
-        self.group = group.RankGroup(self.stages, _stage_main,
-                                     lambda r: (config, self.bounds, layout, num_blocks, threads), "pp",
-                                     torch.device(config.device))
+        self.group = group.RankGroup(world, _stage_main,
+                                     lambda r: (config, self.tp, self.bounds, self.shards, layout, num_blocks,
+                                                threads), "pp", torch.device(config.device))
         self.procs = self.group.procs
         try:
             self.group.join()
-            self.me = StageRank(config, 0, self.bounds, layout, num_blocks)
+            self.me = StageRank(config, 0, self.tp, self.bounds, self.shards, layout, num_blocks)
             self.group.ready()
         except BaseException:
             self.group.abort()
@@ -187,7 +217,9 @@ class PipelineParallelRunner(ParallelRunner):
         self.captured = None
         self.cache = ShardedKVCache(self)
         self._layers_width = max(counts)
-        self._vocab = args.vocab_size
+        self._heads_width = layout.num_kv_heads if self.tp == 1 else \
+            max(s.kv_heads[1] - s.kv_heads[0] for s in self.shards)
+        self._vocab = [args.vocab_size] if self.tp == 1 else [s.vocab[1] - s.vocab[0] for s in self.shards]
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
@@ -199,24 +231,37 @@ class PipelineParallelRunner(ParallelRunner):
             inputs, rows = self.me.runner.prepare(ScheduledBatch(batch.seqs[a:b], batch.num_new_tokens[a:b]))
             micro.append(inputs)
             sampled += [a + i for i in rows]
+        last_stage = (self.stages - 1) * self.tp
         with self.group.failing():
             self.group.send("step", micro)
             sends = []
             for inputs in micro:  # stage 0 of each micro-batch, sent on while the next one is computed
                 hidden = self.me._stage(inputs, None)
-                sends.append((dist.isend(hidden, dst=1), hidden))
+                sends.append((dist.isend(hidden, dst=self.tp), hidden))
             logits = []
-            for inputs in micro:
-                out = torch.empty(len(inputs.sample_rows), self._vocab, dtype=torch.float32, device=group.comm_device())
-                dist.recv(out, src=self.stages - 1)
-                logits.append(out.cpu())
+            for inputs in micro:  # each of the last stage's ranks sends its vocabulary rows
+                slices = []
+                for t, width in enumerate(self._vocab):
+                    out = torch.empty(len(inputs.sample_rows), width, dtype=torch.float32, device=group.comm_device())
+                    dist.recv(out, src=last_stage + t)
+                    slices.append(out.cpu())
+                logits.append(torch.cat(slices, dim=1))
             for work, _ in sends:
                 work.wait()
         return torch.cat(logits), sampled
 
     @torch.inference_mode()
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """[L, 2, n, block_size, Hkv, D]: the blocks in the whole-model layout."""
         with self.group.failing():
-            self.group.send("export", block_ids, self._layers_width)
-            parts = self.me.export(block_ids, self._layers_width)
-        return torch.cat([p[:c] for p, c in zip(parts, self.counts)])
+            self.group.send("export", block_ids, self._layers_width, self._heads_width)
+            parts = self.me.export(block_ids, self._layers_width, self._heads_width)
+        whole = parts[0].new_empty(self.layout.num_layers, *parts[0].shape[1:4], self.layout.num_kv_heads,
+                                   self.layout.head_dim)
+        for rank, part in enumerate(parts):
+            stage, tp_rank = divmod(rank, self.tp)
+            first, last = self.bounds[stage]
+            shard = self.shards[tp_rank]
+            h0, h1 = (0, self.layout.num_kv_heads) if shard is None else shard.kv_heads
+            whole[first:last, :, :, :, h0:h1] = part[:last - first, :, :, :, :h1 - h0]  # (replicas: the same values)
+        return whole

@@ -66,10 +66,10 @@ class TensorRank(RankPart):
         self.runner = ModelRunner(self.loaded.model, self.cache, attention_backend=config.attention_backend)
 
     def step(self, inputs: StepInputs, logits_width: int) -> list[torch.Tensor] | None:
-        return group.gather_padded(self.runner.execute(inputs), logits_width, dim=1)
+        return group.gather_padded(self.runner.execute(inputs), {1: logits_width})
 
     def export(self, block_ids: list[int], heads_width: int) -> list[torch.Tensor] | None:
-        return group.gather_padded(self.cache.kv[:, :, block_ids], heads_width, dim=4)  # [L, 2, n, bs, heads, D]
+        return group.gather_padded(self.cache.kv[:, :, block_ids], {4: heads_width})  # [L, 2, n, bs, heads, D]
 
     def import_block(self, block_id: int, payload: bytes) -> None:
         w = self.whole
