@@ -5,7 +5,8 @@ For each tensor-parallel degree (1, 2, 3; the ranks share the machine's threads)
 time, rank 0's weight bytes, the 16-stream decode throughput, and the share of a decode step the
 driver spends in all-reduces (waiting for the slowest rank included). Pipeline parallel 2: the same,
 with the partition the measured profile chose and its predicted stage imbalance against the measured
-one (each stage's compute time per decode step, from timing its forward). Against them: two
+one (each stage's compute time per decode step, from timing its forward); and TP 2 x PP 2 (four
+ranks). Against them: two
 data-parallel replicas (two engine processes, half the threads each, 8 streams each) on the same
 cores. Dense fp32 weights throughout (the exact path; the parallel engines serve dense weights),
 every configuration the same prompts and tokens.
@@ -84,10 +85,10 @@ def _tensor_parallel(model: str, threads: int, degree: int) -> dict:
         engine.close()
 
 
-def _pipeline(model: str, threads: int) -> dict:
+def _pipeline(model: str, threads: int, tp: int = 1) -> dict:
     from ember.engine.engine import LLMEngine
     start = time.perf_counter()
-    engine = LLMEngine(_config(model, threads, 1, pipeline_parallel=2))
+    engine = LLMEngine(_config(model, threads, tp, pipeline_parallel=2))
     load_s = time.perf_counter() - start
     try:
         runner = engine.runner
@@ -105,7 +106,7 @@ def _pipeline(model: str, threads: int) -> dict:
         predicted = runner.predicted_ms
         step_ms = decode["step_ms"]
         stage0_ms = 1000 * spent[0] / decode["steps"]
-        return {"stages": 2, "start_s": round(load_s, 2), "partition": runner.counts,
+        return {"stages": 2, "tensor_parallel": tp, "start_s": round(load_s, 2), "partition": runner.counts,
                 "profile_ms": {k: round(v, 3) for k, v in runner.costs.items()},
                 "predicted_stage_ms": [round(p, 2) for p in predicted],
                 "predicted_imbalance": round(max(predicted) / min(predicted), 2),
@@ -154,6 +155,8 @@ def main(args) -> int:
         result["tp"][str(degree)] = r
     progress(f"pipeline parallel 2: {STREAMS} streams x {TOKENS} tokens")
     result["pp2"] = _pipeline(args.model, threads)
+    progress(f"tensor parallel 2 x pipeline parallel 2: {STREAMS} streams x {TOKENS} tokens")
+    result["tp2_pp2"] = _pipeline(args.model, threads, tp=2)
     progress(f"data parallel: 2 replicas x {STREAMS // 2} streams")
     result["dp2"] = _data_parallel(args.model, threads)
     tp1, tp2, dp2 = result["tp"]["1"]["tok_per_s"], result["tp"]["2"]["tok_per_s"], result["dp2"]["tok_per_s"]
