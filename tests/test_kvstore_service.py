@@ -9,7 +9,7 @@ from contextlib import asynccontextmanager
 import grpc
 import pytest
 
-from ember.kv import bulk, transfer, wire
+from ember.kv import bulk, codec, transfer, wire
 from ember.kv.chunks import split
 from ember.kv.shm import ArenaReader, ArenaServer
 from ember.rpc.errors import ErrorInterceptor
@@ -183,6 +183,37 @@ def test_planes_codec_pull_crosses_fewer_bytes_and_stores_exact_frames():
             assert pulled.codec == "planes" and pulled.bytes_pulled == 4 * SIZE
             assert pulled.wire_bytes < 0.8 * pulled.bytes_pulled
             assert all(bytes(dst.store.get(h)) == f for h, f in blocks)
+    run(go())
+
+
+def test_auto_codec_is_priced_by_the_configured_link_then_by_measurement():
+    """auto: a pull from a peer whose configured link is slow (1 Gbit/s) is compressed from the first
+    pull, before anything was measured; one over a fast configured link, or none, goes raw. A raw
+    pull's measurement then overrides the configuration, and every PROBE_EVERY-th pull on a link
+    priced for planes goes raw to measure it again."""
+    from ember.services.kvstore import pull as pull_module
+
+    async def go():
+        async with kvstore(8) as (src, _, src_addr), kvstore(8, codec_mode="auto") as (dst, dst_stub, _):
+            blocks = [frame(i) for i in range(6)]
+            for h, f in blocks:
+                src.store.put(h, f)
+            fetcher = dst.fetcher
+            fetcher.configured = {src_addr: 1.0 / 8}  # the links table: 1 Gbit/s to the source's site
+            pulled = await dst_stub.Pull(kvstore_pb2.PullRequest(block_hashes=[h for h, _ in blocks[:3]],
+                                                                 source=src_addr))
+            assert pulled.codec == "planes" and pulled.wire_bytes < 0.8 * pulled.bytes_pulled
+            assert all(bytes(dst.store.get(h)) == f for h, f in blocks[:3])
+            peer = fetcher.peer(src_addr)
+            codecs = [fetcher.codec_for(peer) for _ in range(pull_module.PROBE_EVERY * 2 - 1)]
+            assert codecs.count(codec.RAW) == 2 and codecs[pull_module.PROBE_EVERY - 2] == codec.RAW
+            peer.link_GBps = 2.5  # measured on a raw pull: a loopback-fast link after all
+            assert fetcher.codec_for(peer) == codec.RAW
+            fetcher.peers.clear()
+            fetcher.configured = {src_addr: 10.0 / 8}  # a 10 Gbit/s link: raw
+            pulled = await dst_stub.Pull(kvstore_pb2.PullRequest(block_hashes=[h for h, _ in blocks[3:]],
+                                                                 source=src_addr))
+            assert pulled.codec == "raw"
     run(go())
 
 

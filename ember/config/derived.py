@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ember.config.schema import ClusterConfig
+from ember.kv import codec
 from ember.kv.block_hash import KVLayout
 from ember.model.args import read_model_args
 from ember.model.files import folder_fingerprint, layout_of, model_folder, resolve_serving, weights_fingerprint
@@ -35,6 +36,26 @@ def model_facts(config: ClusterConfig) -> ModelFacts:
     return ModelFacts(path, folder, folder.name.removesuffix(".ember"), dtype, weights,
                       layout_of(args, weights_fingerprint(folder_fingerprint(folder), weights), dtype, e.block_size),
                       min(e.max_model_len or args.max_position, args.max_position), args.vocab_size)
+
+
+def kv_element_bytes(config: ClusterConfig) -> int:
+    """Bytes per KV element on the wire (2: bf16, 4: fp32), what the link codec's saving depends on; a
+    simulation of another model (placement.kv_bytes_per_token set) is taken as bf16."""
+    if config.placement.kv_bytes_per_token:
+        return 2
+    return 4 if model_facts(config).dtype == "float32" else 2
+
+
+def link_codec_saving(config: ClusterConfig, bandwidth_gbps: float, element_bytes: int) -> float:
+    """The fraction of KV bytes the link codec saves on a link of this bandwidth: placement.codec_saving
+    when set, else the planes codec's measured saving where the kvstores use it on such a link
+    (codec: planes, or auto on a link slower than its break-even, ember.kv.codec.worth_it), else 0."""
+    if config.placement.codec_saving is not None:
+        return config.placement.codec_saving
+    mode = config.kvstore.codec
+    if mode == "planes" or (mode == "auto" and codec.worth_it(bandwidth_gbps / 8, element_bytes)):
+        return codec.SAVING.get(element_bytes, 0.0)
+    return 0.0
 
 
 def kv_bytes_per_token(config: ClusterConfig) -> int:

@@ -165,7 +165,10 @@ class PlacementSection(Section):
                                                        "region")
     decode_site: str | None = None
     session_affinity: bool = Field(True, description="keep a conversation's decode where its KV is")
-    codec_saving: float = Field(0.0, ge=0, lt=1, description="fraction of KV bytes the link codec saves")
+    codec_saving: float | None = Field(None, ge=0, lt=1, description="fraction of KV bytes the link codec saves; "
+                                       "unset: the planes codec's measured saving on each link where the "
+                                       "kvstores use it (kvstore.codec planes, or auto on links below its "
+                                       "break-even)")
     layer_overlap: float = Field(0.0, ge=0, lt=1, description="fraction of a KV transfer hidden by layer-wise "
                                                               "streaming")
     decode_heavy_ratio: float = Field(1.0, gt=0, description="expected output/input above this: a decode-heavy "

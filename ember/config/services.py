@@ -52,6 +52,7 @@ class KVStoreSettings:
     directory_ttl_s: float
     max_lease_s: float       # the longest lease it grants (longer requests are clamped)
     peers: tuple[str, ...] = ()  # the other sites' kvstores (gRPC): the only sources a Pull may name
+    link_GBps: tuple[tuple[str, float], ...] = ()  # (peer kvstore, GB/s of the configured link to its site)
 
 
 @dataclass(frozen=True)
@@ -97,10 +98,12 @@ def kvstore_settings(config: ClusterConfig, site_name: str) -> KVStoreSettings:
     if not site.has("kvstore"):
         raise ValueError(f"site {site_name!r} has no kvstore")
     k = config.kvstore
-    peers = tuple(s.kvstore for s in config.sites if s.has("kvstore") and s.name != site.name)
+    others = [s for s in config.sites if s.has("kvstore") and s.name != site.name]
+    links = tuple((s.kvstore, link.bandwidth_gbps / 8) for s in others
+                  if (link := config.link(site.name, s.name)) is not None)
     return KVStoreSettings(site.name, site.kvstore, site.kvstore_data, k.capacity_mb, k.codec,
                            k.shm_socket if k.shared_memory else "", config.directory_url(), config.directory.ttl_s,
-                           k.max_lease_s, peers)
+                           k.max_lease_s, tuple(s.kvstore for s in others), links)
 
 
 def engine_settings(config: ClusterConfig, role: str, site_name: str, worker: int = 0):

@@ -107,9 +107,19 @@ ENCODE_GBPS, DECODE_GBPS = 0.5, 1.5
 SAVING = {2: 0.29, 4: 0.14}
 
 
-def worth_it(link_GBps: float, element_bytes: int) -> bool:
-    """True when encode + send the smaller frame + decode beats sending it raw:
-    1/enc + (1 - s)/link + 1/dec < 1/link  <=>  link < s / (1/enc + 1/dec).
-    About 0.15 GB/s (1.2 Gbit/s) for bf16: a WAN link, never loopback."""
+def worth_it(link_GBps: float, element_bytes: int, pipelined: bool = True) -> bool:
+    """True when sending a transfer encoded beats sending it raw over a link of `link_GBps`.
+
+    pipelined (the data plane, ember.kv.transfer): the sender encodes the next block in a worker
+    thread while one is on the wire, and the receiver decodes a block while the next one lands in
+    its socket buffer, so per raw byte the transfer takes the slowest of the three stages:
+    max(1/enc, (1 - s)/link, 1/dec) < 1/link  <=>  link < min(enc, dec) (with any saving s > 0):
+    about 0.5 GB/s (4 Gbit/s) on one core, a WAN link, never loopback (~2.5 GB/s).
+    Not pipelined (one block at a time): 1/enc + (1 - s)/link + 1/dec < 1/link
+    <=>  link < s / (1/enc + 1/dec), about 0.15 GB/s for bf16."""
     saving = SAVING.get(element_bytes, 0.0)
+    if saving <= 0:
+        return False
+    if pipelined:
+        return link_GBps < min(ENCODE_GBPS, DECODE_GBPS)
     return link_GBps < saving / (1 / ENCODE_GBPS + 1 / DECODE_GBPS)

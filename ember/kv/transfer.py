@@ -70,11 +70,13 @@ async def serve(host: str, port: int, pinned: Callable, stall_s: float = STALL_S
             raw = await reader.readexactly(count * HASH_BYTES)
             hashes = [raw[i:i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES)]
             with pinned(hashes) as frames:  # no slot is reused while its bytes go out
-                for h, frame in zip(hashes, frames):
+                loop = asyncio.get_running_loop()
+                encoded = _Encoder(loop, frames, codec_id)
+                for i, (h, frame) in enumerate(zip(hashes, frames)):
                     if frame is None:
                         writer.write(_HEADER.pack(h, MISSING))
                         break
-                    header, body = wire.reencode(frame, codec_id)
+                    header, body = await encoded.get(i)  # (the next block's encode starts meanwhile)
                     writer.write(_HEADER.pack(h, wire.HEADER_BYTES + len(body)) + header.pack())
                     writer.write(body)
                     await drained()
@@ -86,6 +88,27 @@ async def serve(host: str, port: int, pinned: Callable, stall_s: float = STALL_S
         finally:
             writer.close()
     return await asyncio.start_server(handle, host, port, ssl=tls)
+
+
+class _Encoder:
+    """Frames in the wanted codec, in order. Raw frames pass through; encoded ones are made in a
+    worker thread one block ahead, so the encode of block i + 1 overlaps the send of block i
+    (zstd and numpy release the GIL). codec.worth_it prices this pipeline."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, frames: list, codec_id: int):
+        self.loop, self.frames, self.codec_id = loop, list(frames), codec_id
+        self.ahead: dict[int, asyncio.Future] = {}
+
+    def _start(self, i: int) -> None:
+        if i < len(self.frames) and i not in self.ahead and self.frames[i] is not None:
+            self.ahead[i] = self.loop.run_in_executor(None, wire.reencode, self.frames[i], self.codec_id)
+
+    async def get(self, i: int):
+        if self.codec_id == codec.RAW:
+            return wire.reencode(self.frames[i], self.codec_id)  # (no work: the frame as it is)
+        self._start(i)
+        self._start(i + 1)
+        return await self.ahead.pop(i)
 
 
 def _fresh(num_bytes: int) -> tuple[None, memoryview]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from ember.config.derived import kv_bytes_per_token
+from ember.config.derived import kv_bytes_per_token, kv_element_bytes, link_codec_saving
 from ember.config.schema import ClusterConfig, HardwareProfile
 
 
@@ -94,9 +94,10 @@ class Placer:
         # per region: decode sites by RTT from the user
         self.nearest = {r.name: sorted((x.rtt_ms / 1e3, x.site) for x in r.reach if x.site in decode_sites)
                         for r in config.regions}
-        ratio = 1 / (1 - self.policy.codec_saving)
         self.routes: dict[tuple[str, str], _Route] = {}
-        for link in config.links:
+        width = kv_element_bytes(config)
+        for link in config.links:  # a link's KV bytes shrink by what the codec saves where it is used there
+            ratio = 1 / (1 - link_codec_saving(config, link.bandwidth_gbps, width))
             route = _Route(link.rtt_ms / 1e3, link.bandwidth_gbps * 1e9 / 8 * ratio)
             self.routes[(link.a, link.b)] = self.routes[(link.b, link.a)] = route
         # per decode site: prefill candidates that can ship KV to it (itself first, if it prefills)

@@ -32,7 +32,7 @@ async def main(args) -> None:
     creds = security.current()
     service = KVStoreService(store, s.data_listen or "", s.codec, shm_socket, store_id,
                              routes=parse_routes(args.route), peers=set(s.peers),
-                             tls=None if creds is None else creds.client_context())
+                             tls=None if creds is None else creds.client_context(), link_GBps=dict(s.link_GBps))
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, server.server)
     server.server.add_generic_rpc_handlers((bulk.handler(store.pinned, service.put_frame),))
     data_server = None

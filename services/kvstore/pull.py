@@ -15,35 +15,52 @@ from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 _MEASURE_MIN_BYTES = 4 * 2**20  # smaller pulls measure latency, not bandwidth
 
 
+PROBE_EVERY = 8  # on a link priced for planes, every 8th pull goes raw to measure the link again
+
+
 @dataclass
 class Peer:
     channel: grpc.aio.Channel
     data_address: str | None = None  # None until asked
     link_GBps: float | None = None   # observed on raw pulls (EWMA)
+    configured_GBps: float | None = None  # the links table's bandwidth to it: the price before a measurement
+    planes_pulls: int = 0
+
+    @property
+    def known_GBps(self) -> float | None:
+        return self.link_GBps if self.link_GBps is not None else self.configured_GBps
 
 
 class PeerFetcher:
-    """`mode`: raw, planes, or auto (planes only on links slow enough for it to pay)."""
+    """`mode`: raw, planes, or auto (planes on links slow enough for it to pay: codec.worth_it, priced
+    by the configured link until a raw pull has measured it)."""
 
-    def __init__(self, store: BlockStore, mode: str = "auto", routes: dict[str, str] | None = None, tls=None):
+    def __init__(self, store: BlockStore, mode: str = "auto", routes: dict[str, str] | None = None, tls=None,
+                 link_GBps: dict[str, float] | None = None):
+        """`link_GBps`: peer address -> the configured bandwidth (GB/s) of the link to it."""
         if mode not in ("raw", "planes", "auto"):
             raise ValueError(f"codec mode must be raw, planes or auto, got {mode!r}")
         self.store, self.mode = store, mode
         self.routes = routes or {}  # peer address -> emulated-link relay in front of it
+        self.configured = link_GBps or {}
         self.peers: dict[str, Peer] = {}
         self.tls = tls  # ssl.SSLContext of the data plane (mTLS), or None
 
     def peer(self, address: str) -> Peer:
         if address not in self.peers:
-            self.peers[address] = Peer(channel(self.routes.get(address, address)))
+            self.peers[address] = Peer(channel(self.routes.get(address, address)),
+                                       configured_GBps=self.configured.get(address))
         return self.peers[address]
 
     def codec_for(self, peer: Peer) -> int:
-        if self.mode == "auto":
-            width = self._element_bytes()
-            return codec.PLANES if peer.link_GBps is not None and width and codec.worth_it(peer.link_GBps, width) \
-                else codec.RAW
-        return codec.CODES[self.mode]
+        if self.mode != "auto":
+            return codec.CODES[self.mode]
+        # (an empty store has no frame to tell the KV's width yet: bf16's, the served default)
+        width, link = self._element_bytes() or 2, peer.known_GBps
+        if link is None or not codec.worth_it(link, width):
+            return codec.RAW
+        peer.planes_pulls += 1
+        return codec.RAW if peer.planes_pulls % PROBE_EVERY == 0 else codec.PLANES
 
     def _element_bytes(self) -> int | None:
         for h in self.store.blocks:  # any stored frame tells the KV dtype

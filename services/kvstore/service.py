@@ -26,13 +26,14 @@ from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: BlockStore, data_address: str = "", codec_mode: str = "auto",
                  shm_socket: str = "", store_id: bytes = b"", routes: dict[str, str] | None = None,
-                 peers: set[str] | None = None, tls=None):
+                 peers: set[str] | None = None, tls=None, link_GBps: dict[str, float] | None = None):
         """`peers`: the kvstores a Pull may name as its source (the config's other sites; None:
-        any, for in-process tests); `tls`: the data plane's client context (mTLS)."""
+        any, for in-process tests); `tls`: the data plane's client context (mTLS); `link_GBps`: peer
+        address -> the configured bandwidth of the link to it (the codec's price before a measurement)."""
         self.store = store
         self.data_address, self.shm_socket, self.store_id = data_address, shm_socket, store_id
         self.peers = peers
-        self.fetcher = PeerFetcher(store, codec_mode, routes, tls)
+        self.fetcher = PeerFetcher(store, codec_mode, routes, tls, link_GBps)
         self.wire_bytes_pulled = 0
         self._inflight: dict[bytes, asyncio.Future] = {}  # one fetch per block at a time
 
