@@ -232,7 +232,7 @@ def test_auto_codec_compresses_only_on_slow_links():
     store = BlockStore(4 * wire.frame_bytes(LAYOUT.block_bytes))
     fetcher = PeerFetcher(store, "auto")
     slow, fast, unknown = Peer(channel=None, link_GBps=0.05), Peer(channel=None, link_GBps=2.5), Peer(channel=None)
-    assert fetcher.codec_for(slow) == codec.RAW, "no block stored yet: the KV dtype is unknown"
+    assert fetcher.codec_for(slow) == codec.PLANES, "no block stored yet: priced as bf16, the served default"
     store.put(*frame(0))  # bf16 frames
     assert fetcher.codec_for(slow) == codec.PLANES
     assert fetcher.codec_for(fast) == codec.RAW and fetcher.codec_for(unknown) == codec.RAW

@@ -47,3 +47,26 @@ def test_the_placer_prices_a_link_with_the_codec_the_kvstores_use_on_it(mode, gb
     pinned = _config(gbps, codec=mode).model_copy(
         update={"placement": config.placement.model_copy(update={"codec_saving": 0.1})})
     assert link_codec_saving(pinned, gbps, 2) == 0.1  # an explicit placement.codec_saving wins
+
+
+def test_the_codec_is_exact_when_threads_encode_at_once():
+    """The data plane encodes in worker threads, several at a time (one block ahead per connection,
+    several connections): each thread has its own zstd objects, so every round trip is exact."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    rng = np.random.default_rng(0)
+    payloads = [(rng.standard_normal(64 * 1024).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).tobytes()
+                + os.urandom(64) for _ in range(8)]
+
+    def round_trip(p: bytes) -> bool:
+        for _ in range(5):
+            encoded = codec.encode(codec.PLANES, p, 2)
+            out = bytearray(len(p))
+            codec.decode_into(codec.PLANES, encoded, 2, memoryview(out))
+            if bytes(out) != p:
+                return False
+        return True
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(round_trip, payloads * 4))

@@ -15,6 +15,7 @@ the low byte plane of the high halves).
 from __future__ import annotations
 
 import struct
+import threading
 
 import numpy as np
 import zstandard
@@ -28,8 +29,16 @@ _LEN = struct.Struct("<I")
 # is nearly pure Huffman coding; it beat levels 1 and 3 on both size and speed here.
 _PARAMS = zstandard.ZstdCompressionParameters(strategy=1, window_log=17, hash_log=12, chain_log=12, min_match=7,
                                               search_log=1, target_length=0)
-_compressor = zstandard.ZstdCompressor(compression_params=_PARAMS)  # one per process, used from one thread
-_decompressor = zstandard.ZstdDecompressor()
+class _PerThread(threading.local):
+    """zstd (de)compressor objects are not safe to share between threads (the data plane encodes in
+    worker threads): each thread gets its own."""
+
+    def __init__(self):
+        self.compressor = zstandard.ZstdCompressor(compression_params=_PARAMS)
+        self.decompressor = zstandard.ZstdDecompressor()
+
+
+_zstd = _PerThread()
 
 
 class CodecError(ValueError):
@@ -43,7 +52,7 @@ def encode(codec: int, payload, element_bytes: int) -> bytes | memoryview:
         raise CodecError(f"unknown codec {codec}")
     hi16 = _high_halves(payload, element_bytes)
     high_plane = (hi16 >> 8).astype(np.uint8)
-    parts = [b"", _compressor.compress(high_plane)]
+    parts = [b"", _zstd.compressor.compress(high_plane)]
     parts[0] = _LEN.pack(len(parts[1]))
     if element_bytes == 4:
         parts.append(np.frombuffer(payload, np.uint32).astype(np.uint16).tobytes())
@@ -75,7 +84,7 @@ def decode_into(codec: int, encoded, element_bytes: int, out: memoryview) -> Non
     try:  # check the declared size first: a forged header must not make zstd allocate gigabytes
         if zstandard.frame_content_size(frame) != count:
             raise CodecError("high plane does not declare the expected size")
-        high = np.frombuffer(_decompressor.decompress(frame, max_output_size=count), np.uint8)
+        high = np.frombuffer(_zstd.decompressor.decompress(frame, max_output_size=count), np.uint8)
     except zstandard.ZstdError as e:
         raise CodecError(f"high plane does not decode: {e}") from e
     if len(high) != count:
