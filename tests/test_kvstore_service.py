@@ -188,9 +188,9 @@ def test_planes_codec_pull_crosses_fewer_bytes_and_stores_exact_frames():
 
 def test_auto_codec_is_priced_by_the_configured_link_then_by_measurement():
     """auto: a pull from a peer whose configured link is slow (1 Gbit/s) is compressed from the first
-    pull, before anything was measured; one over a fast configured link, or none, goes raw. A raw
-    pull's measurement then overrides the configuration, and every PROBE_EVERY-th pull on a link
-    priced for planes goes raw to measure it again."""
+    pull, before anything was measured; one over a fast configured link, or none, goes raw. Then the
+    measured throughput of each codec decides: a link priced for planes is measured raw once, the
+    faster codec is used, and the other is tried again every PROBE_EVERY-th pull."""
     from ember.services.kvstore import pull as pull_module
 
     async def go():
@@ -205,15 +205,22 @@ def test_auto_codec_is_priced_by_the_configured_link_then_by_measurement():
             assert pulled.codec == "planes" and pulled.wire_bytes < 0.8 * pulled.bytes_pulled
             assert all(bytes(dst.store.get(h)) == f for h, f in blocks[:3])
             peer = fetcher.peer(src_addr)
-            codecs = [fetcher.codec_for(peer) for _ in range(pull_module.PROBE_EVERY * 2 - 1)]
-            assert codecs.count(codec.RAW) == 2 and codecs[pull_module.PROBE_EVERY - 2] == codec.RAW
-            peer.link_GBps = 2.5  # measured on a raw pull: a loopback-fast link after all
-            assert fetcher.codec_for(peer) == codec.RAW
+            peer.planes_GBps = 0.05  # (as a pull of >= 4 MB would have measured it)
+            assert fetcher.codec_for(peer) == codec.RAW, "planes measured, raw not yet: compare"
+            peer.link_GBps = 0.1  # raw measured faster than planes on this host: raw, planes now and then
+            codecs = [fetcher.codec_for(peer) for _ in range(pull_module.PROBE_EVERY * 2)]
+            assert codecs.count(codec.PLANES) == 2 and codecs.count(codec.RAW) == 2 * pull_module.PROBE_EVERY - 2
+            peer.planes_GBps = 0.2  # planes measured faster: planes, raw now and then
+            codecs = [fetcher.codec_for(peer) for _ in range(pull_module.PROBE_EVERY)]
+            assert codecs.count(codec.PLANES) == pull_module.PROBE_EVERY - 1
             fetcher.peers.clear()
             fetcher.configured = {src_addr: 10.0 / 8}  # a 10 Gbit/s link: raw
             pulled = await dst_stub.Pull(kvstore_pb2.PullRequest(block_hashes=[h for h, _ in blocks[3:]],
                                                                  source=src_addr))
             assert pulled.codec == "raw"
+            fetcher.peers.clear()
+            fetcher.configured = {}  # no configured link, nothing measured: raw
+            assert fetcher.codec_for(fetcher.peer(src_addr)) == codec.RAW
     run(go())
 
 

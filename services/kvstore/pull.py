@@ -15,16 +15,17 @@ from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 _MEASURE_MIN_BYTES = 4 * 2**20  # smaller pulls measure latency, not bandwidth
 
 
-PROBE_EVERY = 8  # on a link priced for planes, every 8th pull goes raw to measure the link again
+PROBE_EVERY = 8  # once both codecs are measured on a link, every 8th pull tries the slower one again
 
 
 @dataclass
 class Peer:
     channel: grpc.aio.Channel
     data_address: str | None = None  # None until asked
-    link_GBps: float | None = None   # observed on raw pulls (EWMA)
+    link_GBps: float | None = None   # raw bytes/s of raw pulls (EWMA): the link as measured
+    planes_GBps: float | None = None  # raw bytes/s of planes pulls (EWMA): what compression really gave
     configured_GBps: float | None = None  # the links table's bandwidth to it: the price before a measurement
-    planes_pulls: int = 0
+    pulls: int = 0
 
     @property
     def known_GBps(self) -> float | None:
@@ -32,8 +33,11 @@ class Peer:
 
 
 class PeerFetcher:
-    """`mode`: raw, planes, or auto (planes on links slow enough for it to pay: codec.worth_it, priced
-    by the configured link until a raw pull has measured it)."""
+    """`mode`: raw, planes, or auto: the link's price first (codec.worth_it on the configured
+    bandwidth, or on a raw pull's measurement), then what each codec really moved on it (a pull's raw
+    bytes per second, measured for each codec): the faster one, the other tried again every
+    PROBE_EVERY-th pull. A link priced for planes is measured raw once as well, so a host whose
+    codec runs slower than it was priced (few or busy cores) falls back to raw."""
 
     def __init__(self, store: BlockStore, mode: str = "auto", routes: dict[str, str] | None = None, tls=None,
                  link_GBps: dict[str, float] | None = None):
@@ -55,12 +59,16 @@ class PeerFetcher:
     def codec_for(self, peer: Peer) -> int:
         if self.mode != "auto":
             return codec.CODES[self.mode]
+        peer.pulls += 1
+        raw, planes = peer.link_GBps, peer.planes_GBps
+        if raw is not None and planes is not None:  # both measured: the faster; the other now and then
+            best, other = (codec.PLANES, codec.RAW) if planes > raw else (codec.RAW, codec.PLANES)
+            return other if peer.pulls % PROBE_EVERY == 0 else best
         # (an empty store has no frame to tell the KV's width yet: bf16's, the served default)
-        width, link = self._element_bytes() or 2, peer.known_GBps
-        if link is None or not codec.worth_it(link, width):
+        link = peer.known_GBps
+        if link is None or not codec.worth_it(link, self._element_bytes() or 2):
             return codec.RAW
-        peer.planes_pulls += 1
-        return codec.RAW if peer.planes_pulls % PROBE_EVERY == 0 else codec.PLANES
+        return codec.RAW if planes is not None else codec.PLANES  # planes measured: measure raw to compare
 
     def _element_bytes(self) -> int | None:
         for h in self.store.blocks:  # any stored frame tells the KV dtype
@@ -92,9 +100,11 @@ class PeerFetcher:
             self.store.commit(block_hash, slot)
             raw_bytes += len(frame)
             yield block_hash, frame
-        if codec_id == codec.RAW and raw_bytes >= _MEASURE_MIN_BYTES:
+        if raw_bytes >= _MEASURE_MIN_BYTES:
             seen = raw_bytes / (time.perf_counter() - start) / 1e9
-            peer.link_GBps = seen if peer.link_GBps is None else 0.7 * peer.link_GBps + 0.3 * seen
+            field = "link_GBps" if codec_id == codec.RAW else "planes_GBps"
+            before = getattr(peer, field)
+            setattr(peer, field, seen if before is None else 0.7 * before + 0.3 * seen)
 
 
 def file_frame(store: BlockStore, reserve: Callable, block_hash: bytes, frame) -> memoryview:

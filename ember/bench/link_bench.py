@@ -1,0 +1,169 @@
+"""`ember bench link`: the KV link codec priced by the link (issue 19, item 2).
+
+Real KV (the shipped default engine: q4 weights, bf16 KV) of a 2,048-token prompt crosses between two
+kvstore processes, over an emulated wide-area link (60 ms RTT, 1 Gbit/s: the `ember.cluster.wan`
+relay in front of the source's gRPC and data ports) and over plain loopback. The destination kvstores
+ask for `raw`, `planes` or `auto` (the shipped default: the configured link's bandwidth prices the
+codec until a raw pull has measured it). Fresh content addresses every rep (nothing cached), modes
+alternating rep by rep; medians. Per mode: seconds the Pull took as the caller sees it, bytes on the
+wire, the codec used.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import yaml
+
+from ember.bench.measure import progress, write_result
+from ember.cluster.launcher import wait_serving
+from ember.cluster.ports import free_port
+from ember.kv import wire
+from ember.kv.chunks import split
+from ember.rpc.server import CHANNEL_OPTIONS
+from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+RTT_MS, GBPS, PROMPT_TOKENS = 60.0, 1.0, 2048
+MODES = ("raw", "planes", "auto")
+
+
+def default_kv(model: str, threads: int) -> tuple[wire.FrameHeader, list[bytes]]:
+    """The shipped default engine's KV blocks (bf16) of a 2,048-token English prompt."""
+    from ember.bench.kv_bench import english_prompt
+    from ember.engine.config import EngineConfig
+    from ember.engine.engine import LLMEngine
+    from ember.engine.sampling_params import SamplingParams
+    from ember.kv.block_hash import chain_hashes
+    engine = LLMEngine(EngineConfig(model=model, threads=threads, kv_cache_mb=256))
+    ids = engine.tokenizer.encode(english_prompt(60))[:PROMPT_TOKENS]
+    engine.generate([ids], SamplingParams(max_tokens=1))
+    hashes = chain_hashes(ids, engine.config.block_size, engine.block_manager.root_hash)
+    return engine.frame_template, engine.export_blocks(hashes)
+
+
+class Store:
+    """A kvstore process of the two-site config (site central or edge)."""
+
+    def __init__(self, run_dir: Path, config: Path, site: str, name: str, routes: list[str] = ()):
+        self.log = run_dir / f"{name}.log"
+        cfg = yaml.safe_load(config.read_text())
+        self.address = next(s["kvstore"] for s in cfg["sites"] if s["name"] == site)
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "ember.services.kvstore", "--config", str(config),
+                                          "--site", site, *[f"--route={r}" for r in routes]],
+                                         stdout=log, stderr=subprocess.STDOUT)
+        self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
+        self.stub = kvstore_pb2_grpc.KVStoreStub(self.channel)
+
+    def stop(self) -> None:
+        self.channel.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def _config(path: Path, codec: str, capacity_mb: int, link: bool = True) -> dict:
+    """Sites central and edge, kvstores only, joined by the emulated link (`link`: in the links table;
+    the loopback runs configure none); `codec` asked on pulls."""
+    def addresses():
+        return {"kvstore": f"127.0.0.1:{free_port()}", "kvstore_data": f"127.0.0.1:{free_port()}"}
+    central, edge = addresses(), addresses()
+    path.write_text(yaml.safe_dump({
+        "sites": [{"name": "central", **central}, {"name": "edge", **edge}],
+        "links": [{"a": "central", "b": "edge", "rtt_ms": RTT_MS, "bandwidth_gbps": GBPS}] if link else [],
+        "kvstore": {"capacity_mb": capacity_mb, "codec": codec}, "security": {"tls": "plaintext"}}, sort_keys=False))
+    return {"central": central, "edge": edge}
+
+
+def main(args) -> int:
+    threads = args.threads or 2
+    progress(f"real KV of a {PROMPT_TOKENS}-token prompt (default engine: q4 weights, bf16 KV)")
+    template, payloads = default_kv(args.model, threads)
+    frame_bytes = wire.frame_bytes(template.raw_len)
+    total_mb = len(payloads) * frame_bytes / 2**20
+    reps = 2 if args.quick else 4
+    capacity = int(total_mb * (2 * reps + 2)) + 16
+    result: dict = {"link": {"rtt_ms": RTT_MS, "gbps": GBPS}, "blocks": len(payloads), "kv_mb": round(total_mb, 1),
+                    "reps": reps}
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp)
+        stores, relay = [], None
+        try:
+            # one config per destination mode (the codec is the kvstore section's); the source is the
+            # same central store, reached through the relay (WAN) or directly (loopback)
+            src_cfg = run_dir / "central.yaml"
+            src_addr = _config(src_cfg, "raw", capacity)["central"]
+            src = Store(run_dir, src_cfg, "central", "central")
+            stores.append(src)
+            spec = []
+            for key in ("kvstore", "kvstore_data"):
+                spec.append({"listen": f"127.0.0.1:{free_port()}", "target": src_addr[key], "rtt_ms": RTT_MS,
+                             "gbps": GBPS})
+            (run_dir / "links.json").write_text(json.dumps(spec))
+            relay_log = open(run_dir / "relay.log", "wb")
+            relay = subprocess.Popen([sys.executable, "-m", "ember.cluster.wan", "--spec", str(run_dir / "links.json")],
+                                     stdout=relay_log, stderr=subprocess.STDOUT)
+            routes = [f"{s['target']}={s['listen']}" for s in spec]
+            dst: dict[tuple[str, str], Store] = {}
+            for path_kind in ("wan", "loopback"):
+                for mode in MODES if path_kind == "wan" else ("raw", "auto"):
+                    cfg = run_dir / f"edge-{path_kind}-{mode}.yaml"
+                    addrs = _config(cfg, mode, capacity, link=path_kind == "wan")
+                    text = cfg.read_text().replace(addrs["central"]["kvstore"], src_addr["kvstore"]).replace(
+                        addrs["central"]["kvstore_data"], src_addr["kvstore_data"])  # the one real source
+                    cfg.write_text(text)
+                    store = Store(run_dir, cfg, "edge", f"edge-{path_kind}-{mode}",
+                                  routes if path_kind == "wan" else [])
+                    stores.append(store)
+                    dst[(path_kind, mode)] = store
+            for store in stores:
+                wait_serving(store.address, time.monotonic() + 60, store.proc, store.log)
+            rows: dict[str, list[dict]] = {f"{k}_{m}": [] for k, m in dst}
+            for rep in range(reps):
+                progress(f"rep {rep + 1}/{reps}")
+                for (path_kind, mode), store in dst.items():
+                    hashes = [os.urandom(16) for _ in payloads]  # fresh content addresses: nothing cached
+                    frames = [(h, wire.encode_frame(template, h, p)) for h, p in zip(hashes, payloads)]
+                    chunks = (kvstore_pb2.BlockChunk(block_hash=h, block_bytes=n, offset=o, data=d)
+                              for h, n, o, d in split(frames))
+                    assert src.stub.Put(chunks, timeout=300).blocks_stored == len(frames)
+                    start = time.perf_counter()
+                    pulled = store.stub.Pull(kvstore_pb2.PullRequest(block_hashes=hashes, source=src_addr["kvstore"]),
+                                             timeout=300)
+                    seconds = time.perf_counter() - start
+                    assert pulled.blocks_pulled == len(hashes)
+                    rows[f"{path_kind}_{mode}"].append({"seconds": seconds, "wire_bytes": pulled.wire_bytes,
+                                                        "raw_bytes": pulled.bytes_pulled, "codec": pulled.codec})
+        finally:
+            for store in stores:
+                store.stop()
+            if relay is not None:
+                relay.terminate()
+                relay.wait(timeout=10)
+    summary = {}
+    for key, runs in rows.items():
+        summary[key] = {"seconds": round(statistics.median(r["seconds"] for r in runs), 3),
+                        "wire_fraction": round(statistics.median(r["wire_bytes"] / r["raw_bytes"] for r in runs), 3),
+                        "codecs": [r["codec"] for r in runs]}
+    result |= {"summary": summary, "runs": rows}
+    wan_raw, wan_auto = summary["wan_raw"], summary["wan_auto"]
+    loop_raw, loop_auto = summary["loopback_raw"], summary["loopback_auto"]
+    result["targets"] = {
+        "bytes on the 1 Gbit/s link, auto / raw": {"value": wan_auto["wire_fraction"], "target": "<= 0.75",
+                                                   "met": wan_auto["wire_fraction"] <= 0.75},
+        "transfer time on the link, auto / raw": {"value": round(wan_auto["seconds"] / wan_raw["seconds"], 3),
+                                                  "target": "< 1", "met": wan_auto["seconds"] < wan_raw["seconds"]},
+        "transfer time on loopback, auto / raw": {"value": round(loop_auto["seconds"] / loop_raw["seconds"], 3),
+                                                  "target": "not slower (auto sends raw)",
+                                                  "met": all(c == "raw" for c in loop_auto["codecs"])}}
+    write_result(result, args.output)
+    return 0
