@@ -199,6 +199,7 @@ def test_auto_codec_is_priced_by_the_configured_link_then_by_measurement():
             for h, f in blocks:
                 src.store.put(h, f)
             fetcher = dst.fetcher
+            fetcher.codec_GBps = (0.5, 1.5)  # (this host's codec speed, as a quiet core runs it: not under test)
             fetcher.configured = {src_addr: 1.0 / 8}  # the links table: 1 Gbit/s to the source's site
             pulled = await dst_stub.Pull(kvstore_pb2.PullRequest(block_hashes=[h for h, _ in blocks[:3]],
                                                                  source=src_addr))

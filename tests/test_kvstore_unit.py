@@ -231,6 +231,7 @@ def test_store_reports_adds_and_evictions_to_its_listener():
 def test_auto_codec_compresses_only_on_slow_links():
     store = BlockStore(4 * wire.frame_bytes(LAYOUT.block_bytes))
     fetcher = PeerFetcher(store, "auto")
+    fetcher.codec_GBps = (0.5, 1.5)  # (a quiet core's codec speed: this host's is not under test)
     slow, fast, unknown = Peer(channel=None, link_GBps=0.05), Peer(channel=None, link_GBps=2.5), Peer(channel=None)
     assert fetcher.codec_for(slow) == codec.PLANES, "no block stored yet: priced as bf16, the served default"
     store.put(*frame(0))  # bf16 frames

@@ -47,6 +47,8 @@ class PeerFetcher:
         self.store, self.mode = store, mode
         self.routes = routes or {}  # peer address -> emulated-link relay in front of it
         self.configured = link_GBps or {}
+        # the codec's speed on this host's cores (auto prices links with it), measured once
+        self.codec_GBps = codec.measured_speeds() if mode == "auto" else (codec.ENCODE_GBPS, codec.DECODE_GBPS)
         self.peers: dict[str, Peer] = {}
         self.tls = tls  # ssl.SSLContext of the data plane (mTLS), or None
 
@@ -66,7 +68,7 @@ class PeerFetcher:
             return other if peer.pulls % PROBE_EVERY == 0 else best
         # (an empty store has no frame to tell the KV's width yet: bf16's, the served default)
         link = peer.known_GBps
-        if link is None or not codec.worth_it(link, self._element_bytes() or 2):
+        if link is None or not codec.worth_it(link, self._element_bytes() or 2, True, *self.codec_GBps):
             return codec.RAW
         return codec.RAW if planes is not None else codec.PLANES  # planes measured: measure raw to compare
 
