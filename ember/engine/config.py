@@ -49,7 +49,7 @@ class EngineSettings(Section):
                                                             "to draft from")
     speculative_ngram_min: int = Field(2, gt=0, description="shortest suffix looked up")
     tensor_parallel: int = Field(1, ge=1, description="ranks (processes) each layer is split over, Megatron style "
-                                                      "(ember.parallel); dense weights; KV blocks stay whole-model")
+                                                      "(ember.parallel); KV blocks stay whole-model")
     pipeline_parallel: int = Field(1, ge=1, description="stages the layers are split into, balanced by a measured "
                                                         "cost profile (ember.parallel); each stage is "
                                                         "tensor_parallel ranks (processes)")
@@ -112,8 +112,6 @@ class EngineConfig(EngineSettings):
         dtype, weights = resolve_serving(self.model, self.dtype, self.weights)
         object.__setattr__(self, "dtype", dtype)
         object.__setattr__(self, "weights", weights)
-        if weights == "q4" and (self.tensor_parallel > 1 or self.pipeline_parallel > 1):
-            raise ValueError("tensor and pipeline parallelism serve dense weights for now: set weights: dense")
         object.__setattr__(self, "attention_backend", attention_backend(self.attention_backend, device, dtype))
         return self
 

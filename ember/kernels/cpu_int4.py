@@ -137,12 +137,13 @@ def decode_layer(layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, a
     else:
         qk = apply_rope(qkv[:, :heads + kv_heads], cos, sin).to(x.dtype)
         q, k, v = qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
-    out = attend(layer_idx, q, k, v)
-    x = x + _int4_mm(out.reshape(rows, -1), attn.o_proj)
+    out = _int4_mm(attend(layer_idx, q, k, v).reshape(rows, -1), attn.o_proj)
+    x = x + (out if attn.reduce is None else attn.reduce(out))  # (tensor parallel: the partial sums joined)
     gate_up = _int4_mm(layer.post_attention_layernorm.forward(x), mlp.gate_up_proj)
     if native:
         act = cpu_step.silu_mul(gate_up)
     else:
         gate, up = gate_up.split(mlp.intermediate_size, -1)
         act = F.silu(gate) * up
-    return x + _int4_mm(act, mlp.down_proj)
+    out = _int4_mm(act, mlp.down_proj)
+    return x + (out if mlp.reduce is None else mlp.reduce(out))

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -60,8 +61,6 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense",
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     check_weights(path, dtype, weights)
-    if (shard is not None or layers is not None) and weights == "q4":
-        raise ValueError("tensor and pipeline parallelism serve dense weights for now: set weights: dense")
     folder = ensure_gguf_cache(path) if path.suffix == ".gguf" else path
     args = ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
     torch_dtype = DTYPES[dtype]
@@ -86,7 +85,7 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense",
     model.load_hf_state_dict(tensors)
     model.eval().requires_grad_(False)
     if weights == "q4":
-        weights_bytes = _use_int4(model, path)
+        weights_bytes = _use_int4(model, path, args, shard, layers[0] if layers is not None else 0)
     return LoadedModel(args, model, Tokenizer.from_folder(folder),
                        weights_fingerprint(folder_fingerprint(folder), weights), path.stem, weights_bytes, weights)
 
@@ -146,29 +145,44 @@ Q4_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self
             "mlp.down_proj": ("mlp.down_proj",)}
 
 
-def _use_int4(model: LlamaModel, gguf_path: Path) -> int:
-    """Swap every layer linear for an Int4Linear over the GGUF's own Q4_1 codes; returns weight bytes."""
+def _use_int4(model: LlamaModel, gguf_path: Path, args: ModelArgs, shard=None, first_layer: int = 0) -> int:
+    """Swap every layer linear for an Int4Linear over the GGUF's own Q4_1 codes; returns weight bytes.
+    A parallel rank's model: its layers are the file's from `first_layer` on, and each takes its
+    shard's slice of the codes (rows of QKV and gate/up, input columns of o_proj and down: whole
+    32-weight groups, as heads and 64-column MLP steps are)."""
     from ember.kernels.cpu_int4 import INT4_MAX_ROWS, Int4Linear, Int4Logits, decode_layer, int4_available
-    from ember.model.gguf_quant import Q4Weight, read_q4_1
+    from ember.model.gguf_quant import GROUP, Q4Weight, read_q4_1
+    from ember.parallel.shard import tensor_slice
     if not int4_available():
         raise RuntimeError("weights='q4' needs torch's int4 CPU kernels (aten._weight_int4pack_mm_for_cpu) and oneDNN")
     q4 = read_q4_1(gguf_path)
+
+    def part(name: str) -> Q4Weight:
+        w = q4.pop(name)
+        if shard is None:
+            return w
+        rows, cols = tensor_slice(name, args, shard)
+        r = slice(*rows) if rows else slice(None)
+        c, g = (slice(*cols), slice(cols[0] // GROUP, cols[1] // GROUP)) if cols else (slice(None), slice(None))
+        return Q4Weight(np.ascontiguousarray(w.codes[r, c]), np.ascontiguousarray(w.scale[r, g]),
+                        np.ascontiguousarray(w.low[r, g]))
     read = 0
     for i, layer in enumerate(model.layers):
         for target, sources in Q4_FUSED.items():
-            names = [f"model.layers.{i}.{s}.weight" for s in sources]
+            names = [f"model.layers.{first_layer + i}.{s}.weight" for s in sources]
             missing = [n for n in names if n not in q4]
             if missing:
                 raise ValueError(f"{gguf_path.name} has no Q4_1 tensor for {missing[0]}: "
                                  "weights='q4' needs Q4_1 layers")
-            w = Q4Weight.concat([q4.pop(n) for n in names])
+            w = Q4Weight.concat([part(n) for n in names])
             parent, attr = target.split(".")
             module = getattr(layer, parent)
             linear = Int4Linear(w.codes, w.scale, w.low)
             setattr(module, attr, linear)  # the dense weight is dropped
             read += linear.weight_bytes
     output = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
-    model.lm_head = Int4Logits(output)
+    if output.shape[0]:  # (a pipeline stage without the output layer holds zero rows of it)
+        model.lm_head = Int4Logits(output)
     native = any(m.native is not None for m in model.modules() if isinstance(m, Int4Linear))
     model.small_step, model.small_step_rows = decode_layer, sys.maxsize if native else INT4_MAX_ROWS
     rest = sum(p.numel() * p.element_size() for n, p in model.named_parameters())

@@ -43,14 +43,14 @@ def comm_device() -> torch.device:
 
 
 def all_reduce(t: torch.Tensor, ranks=None) -> torch.Tensor:
-    """Sum t over the ranks (`ranks`: a subgroup's dist.new_group; None: all), in place (through host
-    memory for a CUDA tensor under gloo)."""
-    if host_staged(t):
-        host = t.cpu()
-        dist.all_reduce(host, group=ranks)
-        return t.copy_(host)
-    dist.all_reduce(t, group=ranks)
-    return t
+    """Sum t over the ranks (`ranks`: a subgroup's dist.new_group; None: all), in place: in fp32 for a
+    bf16 tensor (each rank's partial sum rounded once, at the end, as the unsplit layer's sum is),
+    through host memory for a CUDA tensor under gloo."""
+    work = t.float() if t.dtype == torch.bfloat16 else t
+    if host_staged(work):
+        work = work.cpu()
+    dist.all_reduce(work, group=ranks)
+    return t if work is t else t.copy_(work)
 
 
 def serve(rank: int, world: int, port: int, threads: int, make, device: torch.device) -> None:

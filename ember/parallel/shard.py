@@ -92,6 +92,9 @@ def plan(args: ModelArgs, degree: int, costs: ShardCosts | None = None) -> list[
         kv_ranges = [(a // group, a // group + 1) for a, _ in q_ranges]
     if args.intermediate_size % ALIGN:
         raise ValueError(f"intermediate size {args.intermediate_size} is not a multiple of {ALIGN}")
+    if degree > args.intermediate_size // ALIGN:
+        raise ValueError(f"tensor_parallel {degree} exceeds the {args.intermediate_size // ALIGN} steps of {ALIGN} "
+                         "MLP columns every rank needs one of")
     costs = costs or ShardCosts.by_weights(args)
     attention = [costs.group * (b - a) / group for a, b in q_ranges]
     columns = _balanced_columns(attention, costs.mlp_step, args.intermediate_size // ALIGN)
@@ -104,9 +107,11 @@ def _balanced_columns(attention: list[float], per_step: float, steps: int) -> li
     ALIGN steps allow."""
     degree = len(attention)
     target = (sum(attention) + steps * per_step) / degree
-    counts = [max(0, round((target - a) / per_step)) for a in attention]
-    while sum(counts) > steps:  # take from the heaviest rank that has columns, give to the lightest
-        heavy = max((r for r in range(degree) if counts[r]), key=lambda r: (attention[r] + counts[r] * per_step, -r))
+    # every rank keeps at least one step: a rank with no MLP columns would need a zero-width MLP
+    counts = [max(1, round((target - a) / per_step)) for a in attention]
+    while sum(counts) > steps:  # take from the heaviest rank that has more than one, give to the lightest
+        heavy = max((r for r in range(degree) if counts[r] > 1),
+                    key=lambda r: (attention[r] + counts[r] * per_step, -r))
         counts[heavy] -= 1
     while sum(counts) < steps:
         light = min(range(degree), key=lambda r: (attention[r] + counts[r] * per_step, r))
