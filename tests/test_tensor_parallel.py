@@ -181,8 +181,9 @@ def test_blocks_are_whole_model_so_tp3_prefill_and_tp1_decode_exchange_them(make
         arena[i * len(f):(i + 1) * len(f)] = f
     store_id = os.urandom(16)
     server = ArenaServer(f"@ember-test-tp-{store_id.hex()}", fd, len(arena), store_id)
-    tp2 = _engine(2)
+    tp2 = reader = None
     try:
+        tp2 = _engine(2)
         reader = ArenaReader(server.path, store_id)
         size = len(frames[0])
         views = [wire.decode_frame(reader.frame(i * size, size), tp2.frame_template, block_hash=h)
@@ -195,9 +196,13 @@ def test_blocks_are_whole_model_so_tp3_prefill_and_tp1_decode_exchange_them(make
         assert out.cached_tokens == len(hashes) * single.config.block_size  # it used the imported blocks
         assert out.token_ids == ref
     finally:
-        tp2.close()
+        if tp2 is not None:
+            tp2.close()
+        if reader is not None:
+            reader.close()
         server.close()
         os.close(fd)
+        arena.close()
 
 
 @pytest.mark.timeout(300)

@@ -8,7 +8,7 @@ with the partition the measured profile chose and its predicted stage imbalance 
 one (each stage's compute time per decode step, from timing its forward); and TP 2 x PP 2 (four
 ranks). Against them: two
 data-parallel replicas (two engine processes, half the threads each, 8 streams each) on the same
-cores. Dense fp32 weights throughout (the exact path; the parallel engines serve dense weights),
+cores. Dense fp32 weights throughout (the exact path, whose tokens the parallel tests pin),
 every configuration the same prompts and tokens.
 """
 from __future__ import annotations

@@ -161,13 +161,16 @@ class PagedAttention:
         self.scale = scale
         self.block_size = cache.layout.block_size
         # None: the served bf16 path is batch-invariant, the fp32 reference path keeps SDPA
-        if triton:
+        if triton or self.device.type != "cpu":  # (the batch-invariant recipes are facts of torch's CPU kernels)
             batch_invariant = False
         self.batch_invariant = cache.dtype != torch.float32 if batch_invariant is None else batch_invariant
         # the batch-invariant path runs in the C++ kernel when it could be built (None: when available)
         use_kernel = self.batch_invariant and (cpu_attention.fits(cache.layout.head_dim) if kernel is None else kernel)
         self.tiles = self._tiles(prefills, decode) if use_kernel else None
-        self.triton_decode = triton and decode is not None and decode.valid.shape[1] == 1
+        head_dim = cache.layout.head_dim
+        # (the kernel's head dimension is a tl.arange: a power of two; another runs the torch path)
+        self.triton_decode = (triton and decode is not None and decode.valid.shape[1] == 1
+                              and not head_dim & (head_dim - 1))
         if self.triton_decode:  # the kernel's int32 tables and lengths, made once for every layer
             self.triton_tables = decode.block_tables.to(torch.int32)
             self.triton_lens = decode.context_lens.to(torch.int32)

@@ -18,8 +18,8 @@ from ember.model.files import check_pair, resolve_serving
 
 class EngineSettings(Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
-        "auto", description="where the engine runs; auto: CUDA when torch sees a GPU (dense weights, Triton "
-                            "decode attention), else CPU (ember.engine.device)")
+        "auto", description="where the engine runs; auto: CUDA when torch sees a GPU and the weights are dense "
+                            "(Triton decode attention), else CPU: q4 runs on CPU int4 kernels (ember.engine.device)")
     attention_backend: Literal["auto", "torch", "cpp", "triton"] = Field(
         "auto", description="attention kernels; auto: triton on CUDA, the batch-invariant C++ kernel for bf16 "
                             "on CPU, torch for fp32 on CPU; triton on CPU needs TRITON_INTERPRET=1 (slow)")
@@ -101,13 +101,16 @@ class EngineConfig(EngineSettings):
     @model_validator(mode="after")
     def _resolve_auto(self):
         from ember.engine.device import attention_backend, resolve_device  # (torch: only engines build this)
-        device = resolve_device(self.device)
-        if device.type == "cuda":  # q4's int4 kernels are CPU code: a GPU serves dense bf16 unless told
-            if self.weights == "q4":
-                raise ValueError("weights 'q4' runs on CPU int4 kernels: on CUDA set weights: dense (or device: cpu)")
-            object.__setattr__(self, "weights", "dense")
-            if self.dtype == "auto":
-                object.__setattr__(self, "dtype", "bfloat16")
+        # the weights and dtype resolve as everywhere else (ember.config.derived.model_facts, which the
+        # router hashes blocks with): the device follows them, never the other way round
+        _, resolved_weights = resolve_serving(self.model, self.dtype, self.weights)
+        if resolved_weights == "q4":  # q4's int4 kernels are CPU code
+            if self.device == "cuda":
+                raise ValueError("weights 'q4' (the default for a Q4_1 GGUF) runs on CPU int4 kernels: on CUDA set "
+                                 "weights: dense (dtype: bfloat16 for speed), or device: cpu")
+            device = resolve_device("cpu")
+        else:
+            device = resolve_device(self.device)
         object.__setattr__(self, "device", device.type)
         dtype, weights = resolve_serving(self.model, self.dtype, self.weights)
         object.__setattr__(self, "dtype", dtype)

@@ -77,6 +77,8 @@ class LLMEngine:
         args = self.loaded.args
         self.max_model_len = min(config.max_model_len or args.max_position, args.max_position)
         self.layout = layout_of(args, self.loaded.fingerprint, config.dtype, config.block_size)
+        if not parallel:  # on the device before the pool is sized from what is left there
+            self.loaded.model.to(torch.device(config.device))  # (its weights were read into host memory)
         num_blocks = config.num_kv_blocks or config.pool_bytes() // self.layout.block_bytes
         if parallel:
             if config.pipeline_parallel > 1:  # (each stage a group of tensor_parallel ranks)
@@ -91,9 +93,7 @@ class LLMEngine:
             self.cache = self.runner.cache  # whole-model blocks in and out, every rank its part
             self.kernels = [*self.runner.kernels, name]
         else:
-            device = torch.device(config.device)
-            self.loaded.model.to(device)  # (its weights were read into host memory)
-            self.cache = PagedKVCache(self.layout, num_blocks, device)
+            self.cache = PagedKVCache(self.layout, num_blocks, torch.device(config.device))
         self.block_manager = BlockManager(num_blocks, config.block_size, root_hash(self.layout))
         self.frame_template = wire.layout_header(self.layout, self.block_manager.root_hash)  # what frames must say
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
@@ -111,7 +111,7 @@ class LLMEngine:
         self.grammars = Grammars(self.tokenizer.backend.to_str(), args.vocab_size, self.eos_token_id)
         # batch-invariant steps (bf16 on CPU) give a position the same logits in a verify step as in a
         # decode step, so speculation changes no token there; SDPA (fp32) and Triton do not promise that
-        batch_invariant = config.dtype != "float32" and config.attention_backend in ("cpp", "torch")
+        batch_invariant = config.device == "cpu" and config.dtype != "float32" and config.attention_backend != "triton"
         auto = DEFAULT_SPECULATIVE_TOKENS if batch_invariant else 0
         self.speculative_tokens = auto if config.speculative_tokens is None else config.speculative_tokens
         self.ngram_range = (config.speculative_ngram_min, config.speculative_ngram_max)

@@ -5,7 +5,8 @@ group of query heads sharing that KV head with an online softmax, and never mate
 the gathered context (the torch path in ember.engine.attention gathers it every step).
 Products are done with broadcasting rather than tl.dot: decode is memory-bound, and bf16
 tl.dot is wrong under Triton's CPU interpreter, which is how CI checks this kernel
-(TRITON_INTERPRET=1, fp32). Not yet wired into the engine, which runs on CPU today.
+(TRITON_INTERPRET=1, fp32). The engine runs it for one-token decode steps on CUDA (ember.engine.device),
+and on CPU under the interpreter when attention_backend is triton (tests/test_gpu_path.py).
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lens_ptr, out_ptr, sca
     denom = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
     for b in range(0, tl.cdiv(ctx, BLOCK_SIZE)):
-        block_id = tl.load(tables_ptr + seq * stride_tb + b)
+        block_id = tl.load(tables_ptr + seq * stride_tb + b).to(tl.int64)  # (offsets past 2**31 in big pools)
         kv_rows = block_id * stride_kb + offs_s[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :]
         k = tl.load(k_ptr + kv_rows).to(tl.float32)  # [S, D]
         v = tl.load(v_ptr + kv_rows).to(tl.float32)

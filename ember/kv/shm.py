@@ -170,6 +170,15 @@ class ArenaReader:
                 return reader.path, reader.store_id, address - reader._base
         return None
 
+    def close(self) -> None:
+        """Unmap the arena (a view still held elsewhere keeps it mapped until it goes)."""
+        ArenaReader._open = [r for r in ArenaReader._open if r() not in (None, self)]
+        try:
+            self.view.release()
+            self._map.close()
+        except BufferError:
+            pass
+
     def frame(self, offset: int, length: int) -> memoryview:
         if not 0 <= offset <= len(self.view) - length:
             raise IntegrityError(f"frame at {offset}+{length} lies outside the {len(self.view)}-byte arena")

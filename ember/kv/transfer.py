@@ -70,16 +70,18 @@ async def serve(host: str, port: int, pinned: Callable, stall_s: float = STALL_S
             raw = await reader.readexactly(count * HASH_BYTES)
             hashes = [raw[i:i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES)]
             with pinned(hashes) as frames:  # no slot is reused while its bytes go out
-                loop = asyncio.get_running_loop()
-                encoded = _Encoder(loop, frames, codec_id)
-                for i, (h, frame) in enumerate(zip(hashes, frames)):
-                    if frame is None:
-                        writer.write(_HEADER.pack(h, MISSING))
-                        break
-                    header, body = await encoded.get(i)  # (the next block's encode starts meanwhile)
-                    writer.write(_HEADER.pack(h, wire.HEADER_BYTES + len(body)) + header.pack())
-                    writer.write(body)
-                    await drained()
+                encoded = _Encoder(asyncio.get_running_loop(), frames, codec_id)
+                try:
+                    for i, (h, frame) in enumerate(zip(hashes, frames)):
+                        if frame is None:
+                            writer.write(_HEADER.pack(h, MISSING))
+                            break
+                        header, body = await encoded.get(i)  # (the next block's encode starts meanwhile)
+                        writer.write(_HEADER.pack(h, wire.HEADER_BYTES + len(body)) + header.pack())
+                        writer.write(body)
+                        await drained()
+                finally:
+                    await encoded.close()  # no encode outlives the pins it reads
                 await drained()
         except TimeoutError:
             writer.transport.abort()  # drop what is still queued: it may be a view of a slot unpinned now
@@ -102,6 +104,15 @@ class _Encoder:
     def _start(self, i: int) -> None:
         if i < len(self.frames) and i not in self.ahead and self.frames[i] is not None:
             self.ahead[i] = self.loop.run_in_executor(None, wire.reencode, self.frames[i], self.codec_id)
+
+    async def close(self) -> None:
+        """Wait out encodes still running (they read pinned slots) and drop their results."""
+        for future in self.ahead.values():
+            try:
+                await future
+            except Exception:  # noqa: BLE001  (a block abandoned: its result is not wanted)
+                pass
+        self.ahead.clear()
 
     async def get(self, i: int):
         if self.codec_id == codec.RAW:

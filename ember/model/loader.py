@@ -162,6 +162,9 @@ def _use_int4(model: LlamaModel, gguf_path: Path, args: ModelArgs, shard=None, f
         if shard is None:
             return w
         rows, cols = tensor_slice(name, args, shard)
+        if cols and (cols[0] % GROUP or cols[1] % GROUP):
+            raise ValueError(f"{name}: tensor_parallel {shard.degree} splits its inputs at {cols}, not on the Q4_1 "
+                             f"groups of {GROUP}: use weights: dense for this model at this degree")
         r = slice(*rows) if rows else slice(None)
         c, g = (slice(*cols), slice(cols[0] // GROUP, cols[1] // GROUP)) if cols else (slice(None), slice(None))
         return Q4Weight(np.ascontiguousarray(w.codes[r, c]), np.ascontiguousarray(w.scale[r, g]),

@@ -12,7 +12,8 @@ weighs several layers at decode, so the last stage gets fewer layers. `engine.pi
 forces a split.
 
 KV blocks stay whole-model: each stage holds its layers of every block, an export gathers them
-(tensor_parallel.ShardedKVCache), an import sends the block to every stage, which takes its layers.
+(tensor_parallel.ShardedKVCache), an import hands the block to every stage (from the kvstore's shared
+memory when it lies there), which takes its layers.
 """
 from __future__ import annotations
 

@@ -36,16 +36,35 @@ def model_args(config):
 class RankPart:
     """What every rank's part does alike; its `import_block(block_id, payload)` is its own."""
 
-    _arenas: dict = {}  # (socket path, store id) -> ArenaReader: the site kvstores this rank maps
+    _arenas: dict = {}  # socket path -> ArenaReader: the site kvstore this rank maps (one per path)
 
     def import_shared(self, block_id: int, path: str, store_id: bytes, offset: int, length: int) -> None:
-        """Import a block straight from a same-host kvstore's shared memory (the driver verified it)."""
-        from ember.kv.shm import ArenaReader
-        key = (path, store_id)
-        if key not in self._arenas:
-            self._arenas[key] = ArenaReader(path, store_id)
-        self.import_block(block_id, self._arenas[key].frame(offset, length))
-        dist.barrier()  # read: the driver may let the kvstore's lease on it go
+        """Import a block straight from a same-host kvstore's shared memory (the driver verified it),
+        then say whether it could: a kvstore restarted since the driver's lease (another store id) or
+        out of reach makes the driver send the bytes instead (`shared_import_ok`)."""
+        ok = 1
+        try:
+            reader = self._arenas.get(path)
+            if reader is None or reader.store_id != store_id:
+                from ember.kv.shm import ArenaReader
+                if reader is not None:
+                    reader.close()
+                reader = self._arenas[path] = ArenaReader(path, store_id)
+            self.import_block(block_id, reader.frame(offset, length))
+        except (OSError, ValueError) as e:  # ConnectionError, IntegrityError (a ValueError): not fatal
+            import logging
+            logging.getLogger("ember.parallel").warning("rank could not read block %d from shared memory (%s): "
+                                                        "the driver sends it", block_id, e)
+            ok = 0
+        shared_import_ok(ok)
+
+
+def shared_import_ok(ok: int) -> bool:
+    """Every rank's word on a shared-memory import (all ranks call it, the driver too): True when all
+    read the block. Also the point after which the caller may release the kvstore's lease."""
+    flag = torch.tensor([ok], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 class TensorRank(RankPart):
@@ -131,7 +150,10 @@ class ParallelRunner:
                 return
             self.group.send("import_shared", block_id, *where, len(payload))
             self.me.import_block(block_id, payload)
-            dist.barrier()  # every rank has read it before the caller releases the lease
+            if not shared_import_ok(1):  # (every rank has read it, or tried, before the lease can go)
+                payload = bytes(payload)
+                self.group.send("import_block", block_id, payload)
+                return
             self.shared_imports += 1
 
     def close(self) -> None:

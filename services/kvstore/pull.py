@@ -58,23 +58,29 @@ class PeerFetcher:
                                        configured_GBps=self.configured.get(address))
         return self.peers[address]
 
-    def codec_for(self, peer: Peer) -> int:
+    def codec_for(self, peer: Peer, num_blocks: int | None = None) -> int:
+        """The codec to ask of `peer` for a pull of `num_blocks` (None: unknown) blocks."""
         if self.mode != "auto":
             return codec.CODES[self.mode]
-        peer.pulls += 1
+        frame = self._any_frame()
+        measures = num_blocks is None or frame is None or num_blocks * len(frame) >= _MEASURE_MIN_BYTES
         raw, planes = peer.link_GBps, peer.planes_GBps
         if raw is not None and planes is not None:  # both measured: the faster; the other now and then
             best, other = (codec.PLANES, codec.RAW) if planes > raw else (codec.RAW, codec.PLANES)
+            if not measures:  # (a small pull would measure latency, not the link: the probes wait for big ones)
+                return best
+            peer.pulls += 1
             return other if peer.pulls % PROBE_EVERY == 0 else best
         # (an empty store has no frame to tell the KV's width yet: bf16's, the served default)
         link = peer.known_GBps
-        if link is None or not codec.worth_it(link, self._element_bytes() or 2, True, *self.codec_GBps):
+        width = wire.parse_header(frame).element_bytes if frame is not None else 2
+        if link is None or not codec.worth_it(link, width, True, *self.codec_GBps):
             return codec.RAW
-        return codec.RAW if planes is not None else codec.PLANES  # planes measured: measure raw to compare
+        return codec.RAW if planes is not None and measures else codec.PLANES  # planes measured: now raw
 
-    def _element_bytes(self) -> int | None:
-        for h in self.store.blocks:  # any stored frame tells the KV dtype
-            return wire.parse_header(self.store.get(h)).element_bytes
+    def _any_frame(self):
+        for h in self.store.blocks:  # any stored frame tells the KV's dtype and frame size
+            return self.store.get(h)
         return None
 
     async def fetch(self, source: str, hashes: list[bytes], timeout: float | None, reserve: Callable,

@@ -126,7 +126,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         if missing:
             if not request.source:
                 raise InvalidRequestError("source is required to pull missing blocks")
-            codec_id = self.fetcher.codec_for(self.fetcher.peer(request.source))
+            codec_id = self.fetcher.codec_for(self.fetcher.peer(request.source), len(missing))
             codec_name = codec.NAMES[codec_id]
             pulled_blocks, pulled_bytes, wire_bytes = await self._pull(request.source, missing, lease,
                                                                        remaining(context), codec_id)
