@@ -29,6 +29,7 @@ from pathlib import Path
 
 import grpc
 import numpy as np
+import yaml
 
 from ember.bench.measure import progress, write_result
 from ember.cluster.launcher import wait_serving
@@ -136,14 +137,21 @@ def _memfd_view(num_bytes: int) -> memoryview:
 
 
 class KVStoreProcess:
-    def __init__(self, run_dir: Path, name: str, capacity_mb: int, codec_mode: str = "raw"):
-        config = run_dir / f"{name}.yaml"
-        addr = write_kvstore_config(config, capacity_mb, codec_mode)
-        self.address, self.data = addr["kvstore"], addr["kvstore_data"]
+    """A kvstore service process for `site` of the cluster config `config` (None: a one-site config of
+    its own, `capacity_mb` and `codec_mode`), its inter-site hops through `routes` (ADDRESS=RELAY)."""
+
+    def __init__(self, run_dir: Path, name: str, capacity_mb: int = 256, codec_mode: str = "raw",
+                 config: Path | None = None, site: str = "solo", routes: list[str] = ()):
+        if config is None:
+            config = run_dir / f"{name}.yaml"
+            write_kvstore_config(config, capacity_mb, codec_mode, site)
+        addr = next(s for s in yaml.safe_load(config.read_text())["sites"] if s["name"] == site)
+        self.address, self.data = addr["kvstore"], addr.get("kvstore_data")
         self.log = run_dir / f"{name}.log"
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "ember.services.kvstore", "--config", str(config),
-                                          "--site", "solo"], stdout=log, stderr=subprocess.STDOUT)
+                                          "--site", site, *[f"--route={r}" for r in routes]],
+                                         stdout=log, stderr=subprocess.STDOUT)
         self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
         self.stub = kvstore_pb2_grpc.KVStoreStub(self.channel)
 

@@ -19,16 +19,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import grpc
 import yaml
 
+from ember.bench.kv_bench import KVStoreProcess
 from ember.bench.measure import progress, write_result
-from ember.cluster.launcher import wait_serving
 from ember.cluster.ports import free_port
 from ember.kv import wire
 from ember.kv.chunks import split
-from ember.rpc.server import CHANNEL_OPTIONS
-from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
+from ember.v1 import kvstore_pb2
 
 RTT_MS, GBPS, PROMPT_TOKENS = 60.0, 1.0, 2048
 MODES = ("raw", "planes", "auto")
@@ -46,29 +44,6 @@ def default_kv(model: str, threads: int) -> tuple[wire.FrameHeader, list[bytes]]
     engine.generate([ids], SamplingParams(max_tokens=1))
     hashes = chain_hashes(ids, engine.config.block_size, engine.block_manager.root_hash)
     return engine.frame_template, engine.export_blocks(hashes)
-
-
-class Store:
-    """A kvstore process of the two-site config (site central or edge)."""
-
-    def __init__(self, run_dir: Path, config: Path, site: str, name: str, routes: list[str] = ()):
-        self.log = run_dir / f"{name}.log"
-        cfg = yaml.safe_load(config.read_text())
-        self.address = next(s["kvstore"] for s in cfg["sites"] if s["name"] == site)
-        with open(self.log, "wb") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "ember.services.kvstore", "--config", str(config),
-                                          "--site", site, *[f"--route={r}" for r in routes]],
-                                         stdout=log, stderr=subprocess.STDOUT)
-        self.channel = grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS)
-        self.stub = kvstore_pb2_grpc.KVStoreStub(self.channel)
-
-    def stop(self) -> None:
-        self.channel.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
 
 
 def _config(path: Path, codec: str, capacity_mb: int, link: bool = True) -> dict:
@@ -102,7 +77,7 @@ def main(args) -> int:
             # same central store, reached through the relay (WAN) or directly (loopback)
             src_cfg = run_dir / "central.yaml"
             src_addr = _config(src_cfg, "raw", capacity)["central"]
-            src = Store(run_dir, src_cfg, "central", "central")
+            src = KVStoreProcess(run_dir, "central", config=src_cfg, site="central")
             stores.append(src)
             spec = []
             for key in ("kvstore", "kvstore_data"):
@@ -113,7 +88,7 @@ def main(args) -> int:
             relay = subprocess.Popen([sys.executable, "-m", "ember.cluster.wan", "--spec", str(run_dir / "links.json")],
                                      stdout=relay_log, stderr=subprocess.STDOUT)
             routes = [f"{s['target']}={s['listen']}" for s in spec]
-            dst: dict[tuple[str, str], Store] = {}
+            dst: dict[tuple[str, str], KVStoreProcess] = {}
             for path_kind in ("wan", "loopback"):
                 for mode in MODES if path_kind == "wan" else ("raw", "auto"):
                     cfg = run_dir / f"edge-{path_kind}-{mode}.yaml"
@@ -121,12 +96,12 @@ def main(args) -> int:
                     text = cfg.read_text().replace(addrs["central"]["kvstore"], src_addr["kvstore"]).replace(
                         addrs["central"]["kvstore_data"], src_addr["kvstore_data"])  # the one real source
                     cfg.write_text(text)
-                    store = Store(run_dir, cfg, "edge", f"edge-{path_kind}-{mode}",
-                                  routes if path_kind == "wan" else [])
+                    store = KVStoreProcess(run_dir, f"edge-{path_kind}-{mode}", config=cfg, site="edge",
+                                           routes=routes if path_kind == "wan" else [])
                     stores.append(store)
                     dst[(path_kind, mode)] = store
             for store in stores:
-                wait_serving(store.address, time.monotonic() + 60, store.proc, store.log)
+                store.wait()
             rows: dict[str, list[dict]] = {f"{k}_{m}": [] for k, m in dst}
             for rep in range(reps):
                 progress(f"rep {rep + 1}/{reps}")
