@@ -126,11 +126,14 @@ USER = [{"role": "user", "content": "hi"}]
     ({"messages": [{"role": "user", "content": EIGHT_MIB_TEXT}]}, None),
 ])
 def test_oversized_openai_bodies_are_400_fast(body, param):
-    service = _Router()
-    status, answer, seconds = asyncio.run(_post(service, json.dumps(body).encode()))
-    assert status == 400, answer
-    assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["param"] == param
-    assert seconds < 0.5 and service.requests == []
+    # the fastest of three: work the refusal does is in all three, a stall of this shared host in one
+    service, data, times = _Router(), json.dumps(body).encode(), []
+    for _ in range(3):
+        status, answer, seconds = asyncio.run(_post(service, data))
+        assert status == 400, answer
+        assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["param"] == param
+        times.append(seconds)
+    assert min(times) < 0.5 and service.requests == [], times
     if param is None:
         assert "larger than" in answer["error"]["message"]
 
@@ -250,19 +253,26 @@ def test_huge_requests_are_refused_fast_and_a_running_stream_keeps_its_pace(clus
             assert code in (grpc.StatusCode.INVALID_ARGUMENT, 400) and seconds < 0.5, (code, seconds)
 
         _gaps(stub, PROMPTS[2], 8)  # warm
-        unloaded = _gaps(stub, PROMPTS[2], 48) + _gaps(stub, PROMPTS[2], 48)
-        # The refusals come from another process: building and sending 8 MiB requests in this one
-        # would hold the GIL the stream's reader needs, and time the client, not the router.
-        hammer = subprocess.Popen([sys.executable, "-c", HAMMER, cluster["router"], http],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        try:
-            assert hammer.stdout.readline().strip() == "started"
-            loaded = _gaps(stub, PROMPTS[2], 48) + _gaps(stub, PROMPTS[2], 48)
-        finally:
-            out, _ = hammer.communicate("stop\n", timeout=120)
-    results = [json.loads(line) for line in out.splitlines() if line.strip()]
-    assert len(results) >= 10, "the refusals ran alongside the stream"
-    slow = [r for r in results if r["seconds"] >= 0.5]
-    assert not slow and all(r["code"] in ("INVALID_ARGUMENT", 400) for r in results), slow[:5]
-    assert _p99(loaded) <= 2 * _p99(unloaded), (f"inter-token p99 {_p99(loaded) * 1e3:.1f} ms under the refusals, "
-                                               f"{_p99(unloaded) * 1e3:.1f} ms without")
+        # Up to three rounds, each the stream alone then under the refusals: a router that does
+        # the refused work on its event loop slows every round; a stall of this shared 2-core host
+        # lands in one. The refusals come from another process (building and sending 8 MiB
+        # requests in this one would hold the GIL the stream's reader needs, and time the client).
+        rounds = []
+        for _ in range(3):
+            unloaded = _gaps(stub, PROMPTS[2], 48) + _gaps(stub, PROMPTS[2], 48)
+            hammer = subprocess.Popen([sys.executable, "-c", HAMMER, cluster["router"], http],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            try:
+                assert hammer.stdout.readline().strip() == "started"
+                loaded = _gaps(stub, PROMPTS[2], 48) + _gaps(stub, PROMPTS[2], 48)
+            finally:
+                out, _ = hammer.communicate("stop\n", timeout=120)
+            results = [json.loads(line) for line in out.splitlines() if line.strip()]
+            assert len(results) >= 10, "the refusals ran alongside the stream"
+            slow = [r for r in results if r["seconds"] >= 0.5]
+            assert not slow and all(r["code"] in ("INVALID_ARGUMENT", 400) for r in results), slow[:5]
+            rounds.append((_p99(loaded), _p99(unloaded)))
+            if rounds[-1][0] <= 2 * rounds[-1][1]:
+                break
+    assert rounds[-1][0] <= 2 * rounds[-1][1], [f"inter-token p99 {a * 1e3:.1f} ms under the refusals, "
+                                                f"{b * 1e3:.1f} ms without" for a, b in rounds]
