@@ -289,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chaos: router.stall_timeout_s of the blackhole scenario's cluster (shipped default: 30)")
     b.add_argument("--max-inflight", type=int, default=8, help="overload: router.max_inflight (default: %(default)s)")
     b.add_argument("--clients", type=int, default=80, help="overload: concurrent streams (default: %(default)s)")
+    b.add_argument("--write-profile", help="placement: write the calibration cluster's config, with this "
+                                           "machine's measured hardware profile, to this YAML")
     b.add_argument("--like", help="gpu: a folder with the config and tokenizer a random-weights --model is made "
                                   "in the shape of, when --model does not exist (default: the default model's)")
     _add_engine_args(b)

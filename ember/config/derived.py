@@ -52,6 +52,12 @@ def link_codec_saving(config: ClusterConfig, bandwidth_gbps: float, element_byte
     (codec: planes, or auto on a link slower than its break-even, ember.kv.codec.worth_it), else 0."""
     if config.placement.codec_saving is not None:
         return config.placement.codec_saving
+    return kvstore_codec_saving(config, bandwidth_gbps, element_bytes)
+
+
+def kvstore_codec_saving(config: ClusterConfig, bandwidth_gbps: float, element_bytes: int) -> float:
+    """What the kvstores' codec really saves on a link of this bandwidth (the simulator's truth;
+    the placer may be told otherwise by placement.codec_saving)."""
     mode = config.kvstore.codec
     if mode == "planes" or (mode == "auto" and codec.worth_it(bandwidth_gbps / 8, element_bytes)):
         return codec.SAVING.get(element_bytes, 0.0)

@@ -50,6 +50,8 @@ class HardwareProfile(Section):
     decode_batch_tokens_per_s: float = Field(gt=0, description="aggregate, at max_batch")
     max_batch: int = Field(64, gt=0)
     pool: Literal["mixed", "prefill-heavy", "decode-heavy"] = "mixed"
+    service_cv: float = Field(0.1, ge=0, le=2, description="coefficient of variation of prefill, decode-step "
+                                                          "and transfer times (the simulator's noise)")
 
     def prefill_s(self, new_tokens: int, cached_tokens: int = 0) -> float:
         mean_context = cached_tokens + new_tokens / 2

@@ -1,4 +1,4 @@
-"""`ember config check|example`, `ember trace`, `ember simulate` (torch-free)."""
+"""`ember config check|example`, `ember trace`, `ember simulate`, `ember plan` (torch-free)."""
 from __future__ import annotations
 
 import argparse
@@ -94,6 +94,46 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    from ember.config.load import load_config
+    from ember.placement import trace
+    from ember.placement.plan import Planner, sized
+    config = load_config(args.config)
+    requests = list(trace.read(args.trace))
+    planner = Planner(config, requests, args.slo_ttft, args.slo_tpot, args.share, args.policy, args.max_workers)
+    plan = planner.plan()
+    r = plan.report
+    print(f"{len(requests)} requests; SLO: TTFT <= {args.slo_ttft} s and TPOT <= {args.slo_tpot * 1e3:.0f} ms for "
+          f">= {args.share:.0%} of them; policy {args.policy}; {plan.simulations} simulations")
+    if not plan.met:
+        print(f"no plan: even {args.max_workers} workers per site and role meet the SLO for only "
+              f"{r.slo_attainment:.1%} (the sites' links or RTTs bound it; add sites or relax the SLO)")
+        return 1
+    rows = [("site", "tier", "prefill workers", "decode workers", "decode capacity")]
+    sizes = sized(config, plan.counts)
+    for s in sizes.sites:
+        rows.append((s.name, s.tier, str(plan.counts.get((s.name, "prefill"), "-")),
+                     str(plan.counts.get((s.name, "decode"), "-")),
+                     str(sizes.decode_capacity(s.name)) if s.has("decode") else "-"))
+    print("\n".join(_table(rows)))
+    print(f"\n{plan.workers()} workers: SLO met by {r.slo_attainment:.1%}, goodput {r.goodput_rps:.2f} req/s, "
+          f"TTFT p50/p95 {r.ttft['p50']:.3f}/{r.ttft['p95']:.3f} s, TPOT p50 {r.tpot['p50'] * 1e3:.0f} ms")
+    if plan.smaller:
+        print("one worker fewer misses: " + ", ".join(f"{site} {role} {a:.1%}" for (site, role), a in plan.smaller))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps({
+            "share": plan.share, "simulations": plan.simulations, "workers": plan.workers(),
+            "counts": [{"site": site, "role": role, "workers": n} for (site, role), n in plan.counts.items()],
+            "report": r.as_dict(),
+            "one_fewer": [{"site": site, "role": role, "slo_attainment": a} for (site, role), a in plan.smaller],
+        }, indent=2))
+    if args.write_config:
+        Path(args.write_config).write_text(yaml.safe_dump(sizes.model_dump(mode="json", exclude_none=True),
+                                                          sort_keys=False))
+    return 0
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("config", help="check an edge-placement config, or print an example")
     c.add_argument("action", choices=["check", "example"])
@@ -118,6 +158,18 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--slo-tpot", type=float, default=0.05, help="TPOT target, seconds")
     s.add_argument("--output", help="JSON report")
     s.set_defaults(func=cmd_simulate)
+
+    p = sub.add_parser("plan", help="size prefill and decode workers per site for a trace and SLOs (simulated)")
+    p.add_argument("--config", required=True, help="the sites, links, regions and hardware profiles")
+    p.add_argument("--trace", required=True, help="JSON lines (ember trace)")
+    p.add_argument("--slo-ttft", type=float, default=1.0, help="TTFT target, seconds")
+    p.add_argument("--slo-tpot", type=float, default=0.05, help="TPOT target, seconds")
+    p.add_argument("--share", type=float, default=0.95, help="fraction of requests that must meet both targets")
+    p.add_argument("--policy", default="ember", choices=POLICIES)
+    p.add_argument("--max-workers", type=int, default=64, help="ceiling per site and role")
+    p.add_argument("--output", help="JSON plan")
+    p.add_argument("--write-config", help="the config with the planned workers, as YAML")
+    p.set_defaults(func=cmd_plan)
 
 
 def main_for_tests(argv: list[str]) -> int:

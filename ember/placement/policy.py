@@ -83,6 +83,7 @@ class Placer:
     def __init__(self, config: ClusterConfig):
         self.config = config
         self.policy = config.placement
+        self.kind = self.policy.policy  # read once: the simulator places a million requests
         self.kv_bytes_per_token = kv_bytes_per_token(config)
         self.block_size = config.engine.block_size
         self.profiles: dict[str, HardwareProfile] = {s.name: config.profile(s.name) for s in config.sites}
@@ -121,9 +122,9 @@ class Placer:
                                  f"{', '.join(self.nearest)}")
             return self.policy.decode_site, "no region: the configured decode site"
         candidates = self.nearest[request.region]
-        if self.policy.policy == "central":
+        if self.kind == "central":
             candidates = [c for c in candidates if self.tier[c[1]] == "central"] or candidates
-        elif self.policy.policy in ("edge", "ember"):
+        elif self.kind in ("edge", "ember"):
             candidates = [c for c in candidates if self.tier[c[1]] == "edge"] or candidates
         if self.policy.session_affinity and request.session_id in self.affinity:
             home = self.affinity[request.session_id]
@@ -183,13 +184,13 @@ class Placer:
     def place(self, request: Request, load: Load, keep_candidates: bool = True) -> Decision:
         """The decision; `keep_candidates=False` skips building every candidate's Estimate (the
         simulator's hot path), keeping only the winner's."""
-        if self.policy.policy == "fixed" or (not self.nearest and request.region is None):
+        if self.kind == "fixed" or (not self.nearest and request.region is None):
             d, p = self.policy.decode_site, self.policy.prefill_site
             est = self.estimate(p, d, request, load) or Estimate(p, 0.0, 0.0, 0.0, request.prompt_tokens, 0)
             return Decision(p, d, est, (est,), "fixed placement")
         decode_site, why = self._decode_site(request, load)
         feeders = self.feeders[decode_site]
-        if self.policy.policy in ("central", "edge") and decode_site in self.prefill_sites:
+        if self.kind in ("central", "edge") and decode_site in self.prefill_sites:
             feeders = [decode_site]
         if keep_candidates:
             estimates = tuple(e for s in feeders if (e := self.estimate(s, decode_site, request, load)) is not None)
@@ -205,4 +206,4 @@ class Placer:
             if len(self.affinity) > _MAX_SESSIONS:
                 self.affinity.popitem(last=False)
         where = "at the decode site" if best.site == decode_site else "remote"
-        return Decision(best.site, decode_site, best, estimates, f"{self.policy.policy}: decode {why}; prefill {where}")
+        return Decision(best.site, decode_site, best, estimates, f"{self.kind}: decode {why}; prefill {where}")

@@ -1,17 +1,25 @@
 """Discrete-event simulation of a geo-distributed agentic trace (torch-free), through the same
-`Placer` the router runs, with the config's hardware profiles and links.
+`Placer` the router runs.
 
-Model, per site: prefill is one FIFO server at the profile's speed (a request waits for the
-work queued before it); decode runs a continuous batch whose step time follows the profile
-(a sequence's TPOT is fixed by the batch it joins); KV is cached per session prefix in an
-LRU of the site's `kv_cache_tokens`. The router sits at the decode site, so
-TTFT = user RTT + (router -> prefill site RTT if remote) + queue wait + prefill time;
-the KV transfer then delays the second token; e2e = TTFT + transfer + (n - 1) x TPOT.
-Goodput (DistServe): requests per second that meet both the TTFT and the TPOT target.
+Two sides, kept apart so that "the policy wins" is never true by construction:
+- the **placer** sees what a router sees: the prefill seconds it has sent to each site and not
+  yet heard back about (the sum of its own estimates, as RouterService keeps it), the streams
+  running at each site, and which site caches which prefix;
+- the **hardware** (ember.placement.hardware) decides what everything really takes: FIFO
+  prefill workers at the profile's speed with the site's actual cache, a continuous decode
+  batch whose step time follows the batch, FIFO links at what the kvstores' codec really
+  saves, noise of the profile's `service_cv`, and layer-wise streaming only when the engine
+  does it (it does not yet: `streams_layers=False`).
+
+TTFT = user RTT + (router -> prefill site RTT if remote) + queue wait + prefill; the decode
+site starts once the KV has landed; TPOT = (last token - first token) / (n - 1), the router's
+definition (the transfer gap included); e2e = TTFT + (n - 1) x TPOT. Goodput (DistServe):
+requests per second that meet both the TTFT and the TPOT target.
 """
 from __future__ import annotations
 
 import heapq
+import random
 import time
 from collections import OrderedDict
 from collections.abc import Iterable
@@ -19,20 +27,46 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from ember.config.derived import kv_bytes_per_token, kv_element_bytes, kvstore_codec_saving
 from ember.config.schema import ClusterConfig
+from ember.placement.hardware import DecodeBatch, Link, PrefillWorkers
 from ember.placement.policy import Load, NoCapacity, Placer, Request
 from ember.placement.trace import TraceRequest
 
 
-class _QueueView:
-    """Seconds of prefill work queued at each site at `now` (a Load.prefill_queue_s stand-in
-    computed on demand: 300 sites x 1M requests is too many to refresh eagerly)."""
+class _RouterQueue:
+    """Load.prefill_queue_s as the router keeps it: per site, the estimates of the prefills it sent
+    there whose answers are not back yet (work it believes queued, not what the hardware holds)."""
 
-    def __init__(self, busy_until: dict[str, float]):
-        self.busy_until, self.now = busy_until, 0.0
+    def __init__(self):
+        self.now = 0.0
+        self.inflight: dict[str, list[tuple[float, float]]] = {}  # site -> heap of (answer back, estimate)
+        self.total: dict[str, float] = {}
+
+    def add(self, site: str, back: float, estimate_s: float) -> None:
+        heapq.heappush(self.inflight.setdefault(site, []), (back, estimate_s))
+        self.total[site] = self.total.get(site, 0.0) + estimate_s
 
     def get(self, site: str, default: float = 0.0) -> float:
-        return max(0.0, self.busy_until.get(site, 0.0) - self.now)
+        heap = self.inflight.get(site)
+        if not heap:
+            return default
+        while heap and heap[0][0] <= self.now:
+            self.total[site] -= heapq.heappop(heap)[1]
+        return max(0.0, self.total[site]) if heap else 0.0
+
+
+class _RouterStreams:
+    """Load.decode_running as the router keeps it: streams placed at a site that have not ended
+    (the hardware's decode batch is played up to now to see which have)."""
+
+    def __init__(self, sim: Simulator):
+        self.sim, self.count = sim, {}
+
+    def get(self, site: str, default: int = 0) -> int:
+        if site in self.sim.decode:
+            self.sim.drain(site, self.sim.queue.now)
+        return self.count.get(site, default)
 
 
 @dataclass
@@ -63,22 +97,38 @@ def _percentiles(values: np.ndarray) -> dict[str, float]:
 
 class Simulator:
     def __init__(self, config: ClusterConfig, policy: str | None = None, slo_ttft_s: float = 1.0,
-                 slo_tpot_s: float = 0.05, kv_cache_tokens: int = 4_000_000):
+                 slo_tpot_s: float = 0.05, kv_cache_tokens: int = 4_000_000, seed: int = 0,
+                 streams_layers: bool = False):
         if policy is not None:
             config = config.model_copy(update={"placement": config.placement.model_copy(update={"policy": policy})})
         self.config, self.policy = config, config.placement.policy
         self.placer = Placer(config)
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
-        self.block_size = config.engine.block_size
-        self.busy_until: dict[str, float] = {}
-        self.queue = _QueueView(self.busy_until)
-        self.load = Load(prefill_queue_s=self.queue, decode_running={})  # type: ignore[arg-type]
-        self.decode_ends: list[tuple[float, str]] = []
+        self.block_size, self.streams_layers = config.engine.block_size, streams_layers
+        self.kv_bytes_per_token = kv_bytes_per_token(config)
+        rng = random.Random(seed)
+        self.prefill = {s.name: PrefillWorkers(config.profile(s.name), len(s.prefill), rng)
+                        for s in config.sites if s.has("prefill")}
+        self.decode = {s.name: DecodeBatch(config.profile(s.name), len(s.decode), rng)
+                       for s in config.sites if s.has("decode")}
+        width = kv_element_bytes(config)
+        self.links: dict[tuple[str, str], Link] = {}
+        for link in config.links:
+            speed = link.bandwidth_gbps * 1e9 / 8 / (1 - kvstore_codec_saving(config, link.bandwidth_gbps, width))
+            cv = config.profile(link.a).service_cv
+            self.links[(link.a, link.b)] = Link(link.rtt_ms / 1e3, speed, cv, rng)
+            self.links[(link.b, link.a)] = Link(link.rtt_ms / 1e3, speed, cv, rng)
+        self.queue = _RouterQueue()
+        self.streams = _RouterStreams(self)
+        self.load = Load(prefill_queue_s=self.queue, decode_running=self.streams)  # type: ignore[arg-type]
         self.user_rtt = {(r.name, x.site): x.rtt_ms / 1e3 for r in config.regions for x in r.reach}
         self.site_cache: dict[str, OrderedDict[str, int]] = {s.name: OrderedDict() for s in config.sites}
         self.site_used: dict[str, int] = {s.name: 0 for s in config.sites}
         self.session_sites: dict[str, dict[str, int]] = {}  # session -> site -> cached prefix tokens
         self.kv_cache_tokens = kv_cache_tokens
+        # per sequence that decodes: (its request's index, first token at the router, tokens after it)
+        self.sequences: list[tuple[int, float, int]] = []
+        self.ended: dict[int, float] = {}
 
     def _cache(self, site: str, session: str, tokens: int) -> None:
         lru = self.site_cache[site]
@@ -91,45 +141,62 @@ class Simulator:
             self.site_used[site] -= freed
             self.session_sites[victim].pop(site, None)
 
+    def drain(self, site: str, now: float) -> None:
+        """Play `site`'s decode batch up to `now`; the streams that ended leave the router's count."""
+        batch = self.decode[site]
+        batch.advance(now)
+        for sequence, t in batch.finished:
+            self.ended[sequence] = t
+            self.streams.count[site] -= 1
+        batch.finished.clear()
+
     def run(self, trace: Iterable[TraceRequest]) -> Report:
         start_wall = time.perf_counter()
         ttft, tpot, e2e = [], [], []
         rejected = link_bytes = remote = 0
         first_t = last_t = None
-        bs, placer, load, running = self.block_size, self.placer, self.load, self.load.decode_running
+        bs, placer, count = self.block_size, self.placer, self.streams.count
         for r in trace:
             now = r.t
             first_t = now if first_t is None else first_t
             last_t = now
-            while self.decode_ends and self.decode_ends[0][0] <= now:
-                _, site = heapq.heappop(self.decode_ends)
-                running[site] -= 1
             held = self.session_sites.get(r.session, {})
             cached = {s: min(tokens, r.prompt_tokens) // bs for s, tokens in held.items()}
             self.queue.now = now
             try:
-                d = placer.place(Request(r.prompt_tokens, r.output_tokens, r.region, cached, r.session), load,
+                d = placer.place(Request(r.prompt_tokens, r.output_tokens, r.region, cached, r.session), self.load,
                                  keep_candidates=False)
             except NoCapacity:
                 rejected += 1
                 continue
             p, decode, est = d.prefill_site, d.decode_site, d.estimate
-            begin = max(now, self.busy_until.get(p, 0.0))
-            self.busy_until[p] = begin + est.prefill_s
-            hop = 0.0 if p == decode else self.placer.routes[(p, decode)].rtt_s
-            first = self.user_rtt.get((r.region, decode), 0.0) + hop + (begin - now) + est.prefill_s
-            step = placer.profiles[decode].step_s(running.get(decode, 0) + 1)
-            total = first + est.link_s + max(0, r.output_tokens - 1) * step
-            running[decode] = running.get(decode, 0) + 1
-            heapq.heappush(self.decode_ends, (now + total, decode))
-            ttft.append(first)
-            tpot.append(step)
-            e2e.append(total)
+            hop = 0.0 if p == decode else self.links[(p, decode)].rtt_s
+            have = min(cached.get(p, 0) * bs, r.prompt_tokens - 1)     # what the prefill site really holds
+            begin, end = self.prefill[p].serve(now + hop / 2, r.prompt_tokens - have, have)
+            first_at = end + hop / 2                                   # the first token at the router
+            self.queue.add(p, first_at, est.prefill_s)  # what the router adds: its estimate
+            user_rtt = self.user_rtt.get((r.region, decode), 0.0)
+            ttft.append(user_rtt + first_at - now)
+            tpot.append(0.0)
+            e2e.append(ttft[-1])
+            landed = end
             if p != decode:
                 remote += 1
-                link_bytes += est.kv_bytes
+                kv = max(0, r.prompt_tokens // bs - cached.get(decode, 0)) * bs * self.kv_bytes_per_token
+                link_bytes += kv
+                landed = self.links[(p, decode)].transfer(begin, end, kv, self.streams_layers)
+            if r.output_tokens > 1:
+                self.decode[decode].join(landed, len(self.sequences), r.output_tokens - 1)
+                self.sequences.append((len(ttft) - 1, first_at, r.output_tokens - 1))
+                count[decode] = count.get(decode, 0) + 1
             self._cache(p, r.session, r.prompt_tokens)
             self._cache(decode, r.session, r.prompt_tokens + r.output_tokens)
+        for site in self.decode:
+            self.drain(site, float("inf"))
+        for sequence, (i, first_at, tokens) in enumerate(self.sequences):
+            last_at = self.ended[sequence]
+            tpot[i] = (last_at - first_at) / tokens
+            e2e[i] += last_at - first_at
         ttft_a, tpot_a, e2e_a = np.array(ttft), np.array(tpot), np.array(e2e)
         duration = max(1e-9, (last_t or 0) - (first_t or 0))
         good = int(np.count_nonzero((ttft_a <= self.slo_ttft_s) & (tpot_a <= self.slo_tpot_s)))

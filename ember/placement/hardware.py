@@ -1,0 +1,119 @@
+"""What the simulated hardware really takes (torch-free): the simulator's ground truth, kept apart
+from the placer's estimates (ember.placement.policy), which see only what a router sees.
+
+- Prefill: each site runs `len(site.prefill)` workers. A worker's engine schedules prefill
+  chunks FIFO under a token budget, which is a work-conserving FIFO in tokens: one server per
+  worker, a request going to the worker that frees first. Service time is the profile's
+  `prefill_s(new, cached)` with the site's *actual* cache, times lognormal noise of the
+  profile's `service_cv`.
+- Decode: each site's sequences form a continuous batch spread over its `len(site.decode)`
+  workers. Every running sequence gains one token per step and a step takes
+  `step_s(sequences per worker)` (noisy), so a sequence's TPOT follows the batch as others
+  join and leave. Tracked with a step clock: a sequence joining at step S with n tokens to go
+  leaves at step S + n, whatever the batch does in between.
+- Links: one FIFO per direction; a transfer takes RTT + bytes / (bandwidth x what the kvstores'
+  codec really saves there) and waits for the transfers queued before it. Layer-wise streaming
+  (transfer overlapping prefill) is modelled only when the engine does it (`streams_layers`).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import random
+
+from ember.config.schema import HardwareProfile
+
+LAYERS = 32  # a streamed transfer's tail: the last layer's share of the bytes
+
+
+class Noise:
+    """Multiplicative noise factors with mean 1 and coefficient of variation `cv` (lognormal)."""
+
+    def __init__(self, cv: float, rng: random.Random):
+        sigma2 = math.log1p(cv * cv)
+        self.mu, self.sigma, self.gauss = -sigma2 / 2, math.sqrt(sigma2), rng.gauss
+
+    def __call__(self) -> float:
+        return math.exp(self.mu + self.sigma * self.gauss()) if self.sigma else 1.0
+
+
+class PrefillWorkers:
+    def __init__(self, profile: HardwareProfile, workers: int, rng: random.Random):
+        self.tps, self.context, self.noise = profile.prefill_tokens_per_s, profile.prefill_context_tokens, \
+            Noise(profile.service_cv, rng)
+        self.free_at = [0.0] * max(1, workers)  # a heap of when each worker frees
+
+    def serve(self, arrive: float, new_tokens: int, cached_tokens: int) -> tuple[float, float]:
+        """(start, end) of a prefill reaching the site at `arrive`."""
+        free = heapq.heappop(self.free_at)
+        start = max(arrive, free)
+        # HardwareProfile.prefill_s, inlined (the simulator's hot loop)
+        work = new_tokens / self.tps * (1 + (cached_tokens + new_tokens / 2) / self.context)
+        end = start + work * self.noise()
+        heapq.heappush(self.free_at, end)
+        return start, end
+
+
+class DecodeBatch:
+    """One site's continuous batch on a step clock (see the module docstring). Joins may be
+    scheduled in any order; `advance(t)` plays them and the finishes up to time t in order."""
+
+    def __init__(self, profile: HardwareProfile, workers: int, rng: random.Random):
+        self.workers, self.noise = max(1, workers), Noise(profile.service_cv, rng)
+        self.single_s, self.per_sequence_s = 1 / profile.decode_tokens_per_s, 1 / profile.decode_batch_tokens_per_s
+        self.t, self.steps = 0.0, 0.0
+        self.step_s = 0.0                            # the current step time (noisy), 0 when idle
+        self.pending: list[tuple[float, int, int]] = []   # (join time, sequence, tokens to go)
+        self.running: list[tuple[float, int]] = []        # (leaving step, sequence)
+        self.finished: list[tuple[int, float]] = []       # (sequence, time it left), drained by the caller
+
+    def join(self, at: float, sequence: int, tokens: int) -> None:
+        heapq.heappush(self.pending, (at, sequence, tokens))
+
+    def _restep(self) -> None:
+        n = len(self.running)
+        # HardwareProfile.step_s, inlined (the simulator's hot loop)
+        self.step_s = 0.0 if n == 0 else \
+            max(self.single_s, -(-n // self.workers) * self.per_sequence_s) * self.noise()
+
+    def advance(self, to: float) -> None:
+        while True:
+            leave_t = self.t + (self.running[0][0] - self.steps) * self.step_s if self.running else math.inf
+            join_t = self.pending[0][0] if self.pending else math.inf
+            t = min(leave_t, join_t)
+            if t > to or t == math.inf:
+                break
+            if self.running:
+                self.steps += (t - self.t) / self.step_s
+            self.t = t
+            if leave_t <= join_t:
+                leaves, sequence = heapq.heappop(self.running)
+                self.steps = max(self.steps, leaves)
+                self.finished.append((sequence, t))
+            else:
+                _, sequence, tokens = heapq.heappop(self.pending)
+                heapq.heappush(self.running, (self.steps + tokens, sequence))
+            self._restep()
+        if self.running and to > self.t and to != math.inf:
+            self.steps += (to - self.t) / self.step_s
+        self.t = max(self.t, to) if to != math.inf else self.t
+
+
+class Link:
+    """One direction of a link: FIFO transfers at its bandwidth (codec included)."""
+
+    def __init__(self, rtt_s: float, bytes_per_s: float, cv: float, rng: random.Random):
+        self.rtt_s, self.bytes_per_s, self.noise = rtt_s, bytes_per_s, Noise(cv, rng)
+        self.free_at = 0.0
+
+    def transfer(self, start: float, ready: float, nbytes: int, streams_layers: bool) -> float:
+        """When `nbytes` of KV, produced from `start` until `ready` (prefill), have landed. Without
+        layer-wise streaming the bytes leave at `ready`; with it they leave as the layers finish,
+        so only the last layer's share and whatever the link cannot keep up with trail `ready`."""
+        if nbytes <= 0:
+            return ready
+        wire = nbytes / self.bytes_per_s * self.noise()
+        begin = max(start if streams_layers else ready, self.free_at)
+        end = max(begin + wire, ready + wire / LAYERS) if streams_layers else begin + wire
+        self.free_at = end
+        return end + self.rtt_s
