@@ -9,7 +9,7 @@ import pytest
 from ember.config.schema import ClusterConfig, HardwareProfile
 from ember.placement.cli import main_for_tests
 from ember.placement.examples import region_weights, topology
-from ember.placement.hardware import DecodeBatch, Link, PrefillWorkers
+from ember.placement.hardware import DecodeBatch, Link, PrefillWorkers, SharedHost
 from ember.placement.plan import Planner, sized
 from ember.placement.policy import Load, Request
 from ember.placement.simulate import Simulator
@@ -39,6 +39,17 @@ def test_a_decode_sequence_slows_while_others_share_its_batch():
     assert done[8] == pytest.approx(1.0 + 10 * 0.045)
     assert done[0] == pytest.approx(1.0 + 10 * 0.045 + 65 * 0.040)
     assert batch.running == [] and batch.pending == []
+
+
+def test_engines_on_a_shared_host_split_it():
+    host = SharedHost()
+    a, b = PrefillWorkers(PROFILE, 1, random.Random(0), host), PrefillWorkers(PROFILE, 1, random.Random(0), host)
+    assert a.serve(0.0, 1000, 0)[1] == pytest.approx(1.0)   # alone: full speed
+    assert b.serve(0.5, 1000, 0)[1] == pytest.approx(2.5)   # starts while a runs: half speed
+    batch = DecodeBatch(PROFILE, 1, random.Random(0), host)
+    batch.join(1.1, 0, 10)                                  # b still prefilling: steps take twice as long
+    batch.advance(float("inf"))
+    assert batch.finished == [(0, pytest.approx(1.1 + 10 * 2 / 50))]
 
 
 def test_links_queue_transfers_and_layer_streaming_hides_all_but_the_tail():

@@ -34,40 +34,71 @@ from ember.placement import trace as traces
 from ember.placement.simulate import Simulator
 
 
+def _fit(short: float, long: float, single: float, eight: float, cv: float) -> dict:
+    """A HardwareProfile from prefill times at 256 and 1024 tokens and decode steps at batch 1 and 8:
+    t(n) = n / tps * (1 + n / (2 ctx)), two lengths give tps and ctx."""
+    a = short / 256                      # = (1 + 128/ctx) / tps
+    b = long / 1024                      # = (1 + 512/ctx) / tps
+    tps = 384 / (512 * a - 128 * b) if 512 * a > 128 * b else 256 / short
+    ctx = 384 / max(1e-6, b * tps - a * tps) if b > a else 1e9
+    return {"prefill_tokens_per_s": round(tps, 1), "prefill_context_tokens": round(min(ctx, 1e7), 1),
+            "decode_tokens_per_s": round(1 / single, 2), "decode_batch_tokens_per_s": round(8 / eight, 2),
+            "max_batch": 16, "service_cv": round(min(2.0, cv), 3)}
+
+
 def measure_profile(model: str, threads: int) -> dict:
+    """The engine alone, in this process: the first cluster's profile (its placer's prices)."""
     from ember.engine.config import EngineConfig
     from ember.engine.engine import LLMEngine
     from ember.engine.sampling_params import SamplingParams
     engine = LLMEngine(EngineConfig(model=model, threads=threads, kv_cache_mb=128))
     rng = random.Random(7)
 
-    def prefill_s(n: int) -> float:
-        ids = [rng.randrange(200, 40000) for _ in range(n)]
+    def run(batch: int, n: int, tokens: int) -> float:
+        prompts = [[rng.randrange(200, 40000) for _ in range(n)] for _ in range(batch)]
         start = time.perf_counter()
-        engine.generate([ids], SamplingParams(max_tokens=1))
+        engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
         return time.perf_counter() - start
-    prefill_s(64)
-    shorts = [prefill_s(256) for _ in range(4)]
-    short, long = min(shorts), min(prefill_s(1024) for _ in range(2))
-    # t(n) = n / tps * (1 + n / (2 ctx)): two lengths give tps and ctx
-    a = short / 256                      # = (1 + 128/ctx) / tps
-    b = long / 1024                      # = (1 + 512/ctx) / tps
-    tps = 384 / (512 * a - 128 * b) if 512 * a > 128 * b else 256 / short
-    ctx = 384 / max(1e-6, b * tps - a * tps) if b > a else 1e9
+    run(1, 64, 1)
+    shorts = [run(1, 256, 1) for _ in range(4)]
+    long = min(run(1, 1024, 1) for _ in range(2))
+    single, eight = ((min(run(b, 32, 18) - run(b, 32, 2) for _ in range(2))) / 16 for b in (1, 8))
+    return _fit(min(shorts), long, max(1e-4, single), max(1e-4, eight),
+                statistics.pstdev(shorts) / statistics.fmean(shorts))
 
-    def step_s(batch: int) -> float:
-        """A decode step's time with `batch` sequences: 18 tokens against 2 (fresh prompts each)."""
-        def run(tokens: int) -> float:
-            prompts = [[rng.randrange(200, 40000) for _ in range(32)] for _ in range(batch)]
-            start = time.perf_counter()
-            engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
-            return time.perf_counter() - start
-        return max(1e-4, (run(18) - run(2)) / 16)
-    single, eight = min(step_s(1) for _ in range(2)), min(step_s(8) for _ in range(2))
-    cv = statistics.pstdev(shorts) / statistics.fmean(shorts)
-    return {"prefill_tokens_per_s": round(tps, 1), "prefill_context_tokens": round(min(ctx, 1e7), 1),
-            "decode_tokens_per_s": round(1 / single, 2), "decode_batch_tokens_per_s": round(8 / eight, 2),
-            "max_batch": 16, "service_cv": round(min(2.0, cv), 3)}
+
+def measure_served_profile(router: str, hop_s: dict[str, float]) -> dict:
+    """The engines as the cluster serves them (their service, the kvstore write-back, the cores
+    they share with everything else): prefill from the router's TTFT (less the hop to a remote
+    prefill site), decode steps from its TPOT, one stream and eight at once, on fresh prompts."""
+    from ember.client import RouterClient
+    rng = random.Random(9)
+
+    def one(n: int, tokens: int):
+        with RouterClient(router) as client:
+            return client.complete(token_ids=[rng.randrange(200, 40000) for _ in range(n)], max_tokens=tokens,
+                                   ignore_eos=True, user_region="users-west", timeout=120).final
+
+    def prefill_s(n: int) -> float:
+        final = one(n, 1)
+        if final.timings.ttft_s <= 0:
+            raise RuntimeError(f"no TTFT from the router: {final}")
+        return final.timings.ttft_s - hop_s.get(final.placement.prefill_site, 0.0)
+    one(64, 4)
+    shorts = [prefill_s(256) for _ in range(4)]
+    long = min(prefill_s(1024) for _ in range(2))
+    single = min(one(32, 33).timings.tpot_s for _ in range(2))
+    with ThreadPoolExecutor(8) as pool:
+        eight = statistics.median(f.timings.tpot_s for f in pool.map(lambda _: one(32, 33), range(8)))
+    return _fit(min(shorts), long, single, eight, statistics.pstdev(shorts) / statistics.fmean(shorts))
+
+
+def _warm(router: str) -> None:
+    """A restarted cluster's first request pays one-time costs: not the trace's."""
+    from ember.client import RouterClient
+    with RouterClient(router) as client:
+        client.complete(token_ids=list(range(300, 364)), max_tokens=4, ignore_eos=True, user_region="users-west",
+                        timeout=120)
 
 
 def cluster_config(model: str, profile: dict, threads: int) -> dict:
@@ -78,6 +109,7 @@ def cluster_config(model: str, profile: dict, threads: int) -> dict:
              {"name": "east", "decode": addr(), "kvstore": addr(), "kvstore_data": addr()}]
     for s in sites:
         s["hardware"] = "measured"
+        s["host"] = "this-machine"  # the simulator: the three sites share this host's cores
     return {
         "model": model, "router": {"listen": addr(), "site": "west"}, "placement": {"emulate_links": True},
         "sites": sites,
@@ -137,28 +169,39 @@ def main(args) -> int:
     data = cluster_config(str(Path(args.model).resolve()), profile, threads)
     config = ClusterConfig.model_validate(data)
     regions = [r.name for r in config.regions]
-    sessions_per_s, duration = (0.03, 60) if args.quick else (0.2, 240)
+    sessions_per_s, duration = (0.03, 60) if args.quick else (0.1, 480)  # 141 requests; the rig below saturation
     trace = traces.agentic(regions, None, sessions_per_s=sessions_per_s, duration_s=duration, mean_turns=4,
                            system_tokens=(300, 900), max_context=2200, max_output=12, tool_scale=0.3, seed=5)
     progress(f"trace: {len(trace)} requests in {len({r.session for r in trace})} sessions")
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp)
+        (run_dir / "cluster.yaml").write_text(yaml.safe_dump(data))
+        progress("starting the 3-site cluster behind emulated links, to measure its engines as served")
+        with running(run_dir / "cluster.yaml", run_dir, timeout_s=400):
+            hops = {link["a"]: link["rtt_ms"] / 1e3 for link in data["links"] if link["b"] == "west"}
+            served = measure_served_profile(data["router"]["listen"], hops)
+    progress(f"served profile: {served}")
+    data["hardware"]["measured"] = served
+    config = ClusterConfig.model_validate(data)
     if args.write_profile:
         Path(args.write_profile).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.write_profile).write_text(f"# ember bench placement: this machine's measured hardware profile in "
-                                            f"the 3-site calibration cluster\n{yaml.safe_dump(data, sort_keys=False)}")
+        Path(args.write_profile).write_text(f"# ember bench placement: the engines' profile as this machine serves "
+                                            f"them in the 3-site calibration cluster\n"
+                                            f"{yaml.safe_dump(data, sort_keys=False)}")
         progress(f"wrote the measured profile into {args.write_profile}")
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp)
         (run_dir / "cluster.yaml").write_text(yaml.safe_dump(data))
-        progress("starting the 3-site cluster behind emulated links")
+        progress("starting it again with that profile; replaying the trace in real time")
         with running(run_dir / "cluster.yaml", run_dir, timeout_s=400):
-            progress("replaying the trace in real time")
+            _warm(data["router"]["listen"])
             results = replay(data["router"]["listen"], trace)
     sent = [r for r, _ in results]
     sim = Simulator(config, "ember").run(sent)
     placed = [f"{m.placement.prefill_site}->{m.placement.decode_site}" for _, m in results]
     real = {"ttft": [m.timings.ttft_s for _, m in results], "tpot": [m.timings.tpot_s for _, m in results]}
     result = {
-        "profile": profile, "requests": len(results),
+        "profile": served, "engine_alone_profile": profile, "requests": len(results),
         "real": {k: {"p50": _percentile(v, 50), "p90": _percentile(v, 90)} for k, v in real.items()},
         "sim": {"ttft": {"p50": sim.ttft["p50"], "p90": sim.ttft["p90"]},
                 "tpot": {"p50": sim.tpot["p50"], "p90": sim.tpot["p90"]}},

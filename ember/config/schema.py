@@ -75,6 +75,9 @@ class Site(Section):
     hardware: str = Field("default", description="a profile under `hardware:`")
     capacity: int | None = Field(None, gt=0, description="concurrent decode sequences; default: the profile's "
                                                          "max_batch")
+    host: str | None = Field(None, description="the simulator: sites naming the same host share one machine, "
+                                               "each busy engine on it running at 1/k of its speed while k are "
+                                               "busy (a one-host lab cluster); unset: the site's own hardware")
     kvstore: str | None = Field(None, description="HOST:PORT of the site's kvstore (gRPC)")
     kvstore_data: str | None = Field(None, description="HOST:PORT of its TCP data plane for bulk block moves")
     prefill: list[str] = Field([], description="HOST:PORT of each prefill worker of the site (one, or a list)")

@@ -14,6 +14,9 @@ from the placer's estimates (ember.placement.policy), which see only what a rout
 - Links: one FIFO per direction; a transfer takes RTT + bytes / (bandwidth x what the kvstores'
   codec really saves there) and waits for the transfers queued before it. Layer-wise streaming
   (transfer overlapping prefill) is modelled only when the engine does it (`streams_layers`).
+- Shared hosts: sites that name the same `host` share one machine (a one-host lab cluster);
+  an engine there runs at 1/k of its speed while k engines of that host are busy (k taken
+  when a prefill starts and at every decode batch change: a first-order processor share).
 """
 from __future__ import annotations
 
@@ -37,8 +40,22 @@ class Noise:
         return math.exp(self.mu + self.sigma * self.gauss()) if self.sigma else 1.0
 
 
+class SharedHost:
+    """The engines of the sites on one machine: which prefills run when, which batches decode."""
+
+    def __init__(self):
+        self.prefills: list[tuple[float, float]] = []
+        self.batches: list[DecodeBatch] = []
+
+    def busy(self, t: float, but: DecodeBatch | None = None) -> int:
+        """Engines busy at `t` (a batch's state as of its last event; `but` left out)."""
+        return sum(1 for start, end in self.prefills if start <= t < end) + \
+            sum(1 for b in self.batches if b is not but and b.running)
+
+
 class PrefillWorkers:
-    def __init__(self, profile: HardwareProfile, workers: int, rng: random.Random):
+    def __init__(self, profile: HardwareProfile, workers: int, rng: random.Random, host: SharedHost | None = None):
+        self.host = host
         self.tps, self.context, self.noise = profile.prefill_tokens_per_s, profile.prefill_context_tokens, \
             Noise(profile.service_cv, rng)
         self.free_at = [0.0] * max(1, workers)  # a heap of when each worker frees
@@ -49,7 +66,11 @@ class PrefillWorkers:
         start = max(arrive, free)
         # HardwareProfile.prefill_s, inlined (the simulator's hot loop)
         work = new_tokens / self.tps * (1 + (cached_tokens + new_tokens / 2) / self.context)
+        if self.host is not None:
+            work *= 1 + self.host.busy(start)
         end = start + work * self.noise()
+        if self.host is not None:
+            self.host.prefills.append((start, end))
         heapq.heappush(self.free_at, end)
         return start, end
 
@@ -58,7 +79,10 @@ class DecodeBatch:
     """One site's continuous batch on a step clock (see the module docstring). Joins may be
     scheduled in any order; `advance(t)` plays them and the finishes up to time t in order."""
 
-    def __init__(self, profile: HardwareProfile, workers: int, rng: random.Random):
+    def __init__(self, profile: HardwareProfile, workers: int, rng: random.Random, host: SharedHost | None = None):
+        self.host = host
+        if host is not None:
+            host.batches.append(self)
         self.workers, self.noise = max(1, workers), Noise(profile.service_cv, rng)
         self.single_s, self.per_sequence_s = 1 / profile.decode_tokens_per_s, 1 / profile.decode_batch_tokens_per_s
         self.t, self.steps = 0.0, 0.0
@@ -75,6 +99,8 @@ class DecodeBatch:
         # HardwareProfile.step_s, inlined (the simulator's hot loop)
         self.step_s = 0.0 if n == 0 else \
             max(self.single_s, -(-n // self.workers) * self.per_sequence_s) * self.noise()
+        if n and self.host is not None:
+            self.step_s *= 1 + self.host.busy(self.t, but=self)
 
     def advance(self, to: float) -> None:
         while True:

@@ -29,7 +29,7 @@ import numpy as np
 
 from ember.config.derived import kv_bytes_per_token, kv_element_bytes, kvstore_codec_saving
 from ember.config.schema import ClusterConfig
-from ember.placement.hardware import DecodeBatch, Link, PrefillWorkers
+from ember.placement.hardware import DecodeBatch, Link, PrefillWorkers, SharedHost
 from ember.placement.policy import Load, NoCapacity, Placer, Request
 from ember.placement.trace import TraceRequest
 
@@ -107,9 +107,10 @@ class Simulator:
         self.block_size, self.streams_layers = config.engine.block_size, streams_layers
         self.kv_bytes_per_token = kv_bytes_per_token(config)
         rng = random.Random(seed)
-        self.prefill = {s.name: PrefillWorkers(config.profile(s.name), len(s.prefill), rng)
+        hosts = {s.host: SharedHost() for s in config.sites if s.host is not None}
+        self.prefill = {s.name: PrefillWorkers(config.profile(s.name), len(s.prefill), rng, hosts.get(s.host))
                         for s in config.sites if s.has("prefill")}
-        self.decode = {s.name: DecodeBatch(config.profile(s.name), len(s.decode), rng)
+        self.decode = {s.name: DecodeBatch(config.profile(s.name), len(s.decode), rng, hosts.get(s.host))
                        for s in config.sites if s.has("decode")}
         width = kv_element_bytes(config)
         self.links: dict[tuple[str, str], Link] = {}
