@@ -83,7 +83,10 @@ class Placer:
     def __init__(self, config: ClusterConfig):
         self.config = config
         self.policy = config.placement
-        self.kind = self.policy.policy  # read once: the simulator places a million requests
+        # read once (settings are pydantic sections; the simulator places a million requests)
+        self.kind, self.affinity_on = self.policy.policy, self.policy.session_affinity
+        self.default_output, self.heavy_ratio = self.policy.default_output_tokens, self.policy.decode_heavy_ratio
+        self.slack_s, self.overlap = self.policy.pool_slack_ms / 1e3, self.policy.layer_overlap
         self.kv_bytes_per_token = kv_bytes_per_token(config)
         self.block_size = config.engine.block_size
         self.profiles: dict[str, HardwareProfile] = {s.name: config.profile(s.name) for s in config.sites}
@@ -126,7 +129,7 @@ class Placer:
             candidates = [c for c in candidates if self.tier[c[1]] == "central"] or candidates
         elif self.kind in ("edge", "ember"):
             candidates = [c for c in candidates if self.tier[c[1]] == "edge"] or candidates
-        if self.policy.session_affinity and request.session_id in self.affinity:
+        if self.affinity_on and request.session_id in self.affinity:
             home = self.affinity[request.session_id]
             if any(s == home for _, s in candidates) and running.get(home, 0) < self.capacity[home]:
                 return home, "session affinity"
@@ -134,9 +137,9 @@ class Placer:
         if not open_sites:
             raise NoCapacity(f"every decode site reachable from region {request.region!r} is full")
         nearest_rtt, nearest = open_sites[0]
-        output = request.output_tokens or self.policy.default_output_tokens
-        if output / max(1, request.prompt_tokens) > self.policy.decode_heavy_ratio:
-            slack = nearest_rtt + self.policy.pool_slack_ms / 1e3
+        output = request.output_tokens or self.default_output
+        if output / max(1, request.prompt_tokens) > self.heavy_ratio:
+            slack = nearest_rtt + self.slack_s
             shaped = [s for rtt, s in open_sites if rtt <= slack and self.pool[s] == "decode-heavy"]
             if shaped:
                 return shaped[0], "nearest decode-heavy pool"
@@ -156,7 +159,7 @@ class Placer:
         have_at_decode = request.cached_blocks.get(decode_site, 0)
         kv_bytes = max(0, request.prompt_tokens // bs - have_at_decode) * bs * self.kv_bytes_per_token
         link_s = 0.0 if site == decode_site else \
-            route.rtt_s + kv_bytes / route.bytes_per_s * (1 - self.policy.layer_overlap)
+            route.rtt_s + kv_bytes / route.bytes_per_s * (1 - self.overlap)
         return Estimate(site, load.prefill_queue_s.get(site, 0.0), self.profiles[site].prefill_s(uncached, cached),
                         link_s, uncached, 0 if site == decode_site else kv_bytes)
 
