@@ -21,8 +21,8 @@ PROFILE = HardwareProfile(prefill_tokens_per_s=1000, prefill_context_tokens=1e9,
 
 def test_prefill_workers_queue_fifo_and_share_the_load():
     one, two = PrefillWorkers(PROFILE, 1, random.Random(0)), PrefillWorkers(PROFILE, 2, random.Random(0))
-    assert [t for _ in range(3) for t in one.serve(0.0, 1000, 0)] == pytest.approx([0, 1, 1, 2, 2, 3])
-    assert [t for _ in range(3) for t in two.serve(0.0, 1000, 0)] == pytest.approx([0, 1, 0, 1, 1, 2])
+    assert [t for _ in range(3) for t in one.serve(0.0, 0.0, 1000, 0)] == pytest.approx([0, 1, 1, 2, 2, 3])
+    assert [t for _ in range(3) for t in two.serve(0.0, 0.0, 1000, 0)] == pytest.approx([0, 1, 0, 1, 1, 2])
 
 
 def test_a_decode_sequence_slows_while_others_share_its_batch():
@@ -44,8 +44,8 @@ def test_a_decode_sequence_slows_while_others_share_its_batch():
 def test_engines_on_a_shared_host_split_it():
     host = SharedHost()
     a, b = PrefillWorkers(PROFILE, 1, random.Random(0), host), PrefillWorkers(PROFILE, 1, random.Random(0), host)
-    assert a.serve(0.0, 1000, 0)[1] == pytest.approx(1.0)   # alone: full speed
-    assert b.serve(0.5, 1000, 0)[1] == pytest.approx(2.5)   # starts while a runs: half speed
+    assert a.serve(0.0, 0.0, 1000, 0)[1] == pytest.approx(1.0)   # alone: full speed
+    assert b.serve(0.5, 0.5, 1000, 0)[1] == pytest.approx(2.5)   # starts while a runs: half speed
     batch = DecodeBatch(PROFILE, 1, random.Random(0), host)
     batch.join(1.1, 0, 10)                                  # b still prefilling: steps take twice as long
     batch.advance(float("inf"))
@@ -54,10 +54,13 @@ def test_engines_on_a_shared_host_split_it():
 
 def test_links_queue_transfers_and_layer_streaming_hides_all_but_the_tail():
     link = Link(0.06, 125e6, 0.0, random.Random(0))  # 1 Gbit/s, 60 ms RTT
-    assert link.transfer(0.0, 1.0, 125_000_000, streams_layers=False) == pytest.approx(2.06)
-    assert link.transfer(0.0, 1.5, 125_000_000, streams_layers=False) == pytest.approx(3.06)  # waits its turn
+    assert link.transfer(0.0, 0.0, 1.0, 125_000_000, streams_layers=False) == pytest.approx(2.06)
+    assert link.transfer(0.0, 0.0, 1.5, 125_000_000, streams_layers=False) == pytest.approx(3.06)  # waits its turn
+    # one ready earlier than those booked before it takes the idle wire ahead of them
+    assert link.transfer(0.0, 0.0, 0.1, 12_500_000, streams_layers=False) == pytest.approx(0.26)
+    assert link.transfer(0.0, 0.0, 0.5, 125_000_000, streams_layers=False) == pytest.approx(4.06)  # no gap fits
     streamed = Link(0.06, 125e6, 0.0, random.Random(0))
-    assert streamed.transfer(0.0, 1.0, 62_500_000, streams_layers=True) == pytest.approx(1.0 + 0.5 / 32 + 0.06)
+    assert streamed.transfer(0.0, 0.0, 1.0, 62_500_000, streams_layers=True) == pytest.approx(1.0 + 0.5 / 32 + 0.06)
 
 
 def _config(**placement) -> ClusterConfig:
@@ -87,8 +90,8 @@ def test_service_times_come_from_the_hardware_not_from_the_placers_estimate():
     rtt, wire = link.rtt_ms / 1e3, 20_000 // 16 * 16 * 160 * 1024 / (link.bandwidth_gbps * 1e9 / 8)
     user = next(x.rtt_ms for x in config.region("users-edge-00").reach if x.site == "edge-00") / 1e3
     assert results[0.0, False].ttft["p50"] == pytest.approx(user + rtt + central.prefill_s(20_000))
-    # the first token reaches the router half an RTT after prefill; the KV lands an RTT after the wire time
-    assert results[0.0, False].tpot["p50"] == pytest.approx((wire + rtt / 2 + 10 * edge.step_s(1)) / 10)
+    # the router (at the decode site) has the first token; decode then pulls: request leg, wire, data leg
+    assert results[0.0, False].tpot["p50"] == pytest.approx((rtt + wire + 10 * edge.step_s(1)) / 10)
     assert results[0.9, False].as_dict() | {"wall_s": 0} == results[0.0, False].as_dict() | {"wall_s": 0}
     assert results[0.9, True].tpot["p50"] < 0.5 * results[0.9, False].tpot["p50"], "streaming hides the wire time"
 
@@ -101,14 +104,14 @@ def _small_trace() -> tuple[ClusterConfig, list[TraceRequest]]:
 
 def test_plan_meets_the_slo_and_no_single_worker_less_does():
     config, trace = _small_trace()
-    planner = Planner(config, trace, slo_ttft_s=1.0, slo_tpot_s=0.05, share=0.9)
+    planner = Planner(config, trace, slo_ttft_s=1.0, slo_tpot_s=0.05, share=0.85)
     plan = planner.plan()
     assert plan.met and plan.smaller, "this load needs more than one worker somewhere"
     confirmed = Simulator(sized(config, plan.counts), "ember", 1.0, 0.05).run(trace)
-    assert confirmed.slo_attainment >= 0.9
+    assert confirmed.slo_attainment >= 0.85
     for (site, role), _ in plan.smaller:      # each one-smaller plan, simulated again here, misses
         fewer = {**plan.counts, (site, role): plan.counts[(site, role)] - 1}
-        assert Simulator(sized(config, fewer), "ember", 1.0, 0.05).run(trace).slo_attainment < 0.9
+        assert Simulator(sized(config, fewer), "ember", 1.0, 0.05).run(trace).slo_attainment < 0.85
     assert sum(n for (_, role), n in plan.counts.items() if role == "prefill") > 4, "more prefill than one per site"
 
 
@@ -117,13 +120,13 @@ def test_ember_plan_prints_and_writes_the_plan(tmp_path, capsys):
     (tmp_path / "sites.yaml").write_text(json.dumps(config.model_dump(mode="json", exclude_none=True)))
     write(trace, tmp_path / "trace.jsonl")
     assert main_for_tests(["plan", "--config", str(tmp_path / "sites.yaml"), "--trace", str(tmp_path / "trace.jsonl"),
-                           "--share", "0.9", "--output", str(tmp_path / "plan.json"),
+                           "--share", "0.85", "--output", str(tmp_path / "plan.json"),
                            "--write-config", str(tmp_path / "plan.yaml")]) == 0
     out = capsys.readouterr().out
     assert "prefill workers" in out and "one worker fewer misses" in out
     plan = json.loads((tmp_path / "plan.json").read_text())
-    assert plan["report"]["slo_attainment"] >= 0.9 and plan["one_fewer"]
-    assert all(f["slo_attainment"] < 0.9 for f in plan["one_fewer"])
+    assert plan["report"]["slo_attainment"] >= 0.85 and plan["one_fewer"]
+    assert all(f["slo_attainment"] < 0.85 for f in plan["one_fewer"])
     from ember.config.load import load_config
     planned = load_config(tmp_path / "plan.yaml")   # a valid config, with the planned workers
     assert sum(len(s.prefill) + len(s.decode) for s in planned.sites) == plan["workers"]

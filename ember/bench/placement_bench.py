@@ -70,7 +70,8 @@ def measure_profile(model: str, threads: int) -> dict:
 def measure_served_profile(router: str, hop_s: dict[str, float]) -> dict:
     """The engines as the cluster serves them (their service, the kvstore write-back, the cores
     they share with everything else): prefill from the router's TTFT (less the hop to a remote
-    prefill site), decode steps from its TPOT, one stream and eight at once, on fresh prompts."""
+    prefill site), decode steps from the gaps between streamed tokens, one stream and eight at
+    once, on fresh prompts, each alone on the cluster."""
     from ember.client import RouterClient
     rng = random.Random(9)
 
@@ -84,12 +85,23 @@ def measure_served_profile(router: str, hop_s: dict[str, float]) -> dict:
         if final.timings.ttft_s <= 0:
             raise RuntimeError(f"no TTFT from the router: {final}")
         return final.timings.ttft_s - hop_s.get(final.placement.prefill_site, 0.0)
+    def step_s(streams: int) -> float:
+        """The median gap between a stream's tokens once every stream decodes (tokens 8 to 48 of
+        each: their prefills and KV moves are over by then)."""
+        prompts = [[rng.randrange(200, 40000) for _ in range(32)] for _ in range(streams)]
+
+        def gaps(ids: list[int]) -> list[float]:
+            with RouterClient(router) as client:
+                arrivals = [time.perf_counter() for msg in client.stream(token_ids=ids, max_tokens=48, ignore_eos=True,
+                                                                         user_region="users-west", timeout=120)
+                            for _ in msg.token_ids]
+            return [b - a for a, b in zip(arrivals[8:], arrivals[9:])]
+        with ThreadPoolExecutor(streams) as pool:
+            return statistics.median(g for gs in pool.map(gaps, prompts) for g in gs)
     one(64, 4)
     shorts = [prefill_s(256) for _ in range(4)]
     long = min(prefill_s(1024) for _ in range(2))
-    single = min(one(32, 33).timings.tpot_s for _ in range(2))
-    with ThreadPoolExecutor(8) as pool:
-        eight = statistics.median(f.timings.tpot_s for f in pool.map(lambda _: one(32, 33), range(8)))
+    single, eight = min(step_s(1) for _ in range(2)), step_s(8)
     return _fit(min(shorts), long, single, eight, statistics.pstdev(shorts) / statistics.fmean(shorts))
 
 
@@ -197,7 +209,8 @@ def main(args) -> int:
             _warm(data["router"]["listen"])
             results = replay(data["router"]["listen"], trace)
     sent = [r for r, _ in results]
-    sim = Simulator(config, "ember").run(sent)
+    # the router at west, measuring from its own receipt (the replaying client sits beside it)
+    sim = Simulator(config, "ember", router_site="west", user_rtt=False).run(sent)
     placed = [f"{m.placement.prefill_site}->{m.placement.decode_site}" for _, m in results]
     real = {"ttft": [m.timings.ttft_s for _, m in results], "tpot": [m.timings.tpot_s for _, m in results]}
     result = {

@@ -106,7 +106,7 @@ def cmd_plan(args) -> int:
     print(f"{len(requests)} requests; SLO: TTFT <= {args.slo_ttft} s and TPOT <= {args.slo_tpot * 1e3:.0f} ms for "
           f">= {args.share:.0%} of them; policy {args.policy}; {plan.simulations} simulations")
     if not plan.met:
-        print(f"no plan: even {args.max_workers} workers per site and role meet the SLO for only "
+        print(f"no plan: even {args.max_workers} workers for every site and role meet the SLO for only "
               f"{r.slo_attainment:.1%} (the sites' links or RTTs bound it; add sites or relax the SLO)")
         return 1
     rows = [("site", "tier", "prefill workers", "decode workers", "decode capacity")]

@@ -11,8 +11,9 @@ from the placer's estimates (ember.placement.policy), which see only what a rout
   `step_s(sequences per worker)` (noisy), so a sequence's TPOT follows the batch as others
   join and leave. Tracked with a step clock: a sequence joining at step S with n tokens to go
   leaves at step S + n, whatever the batch does in between.
-- Links: one FIFO per direction; a transfer takes RTT + bytes / (bandwidth x what the kvstores'
-  codec really saves there) and waits for the transfers queued before it. Layer-wise streaming
+- Links: one wire per direction; a transfer takes RTT + bytes / (bandwidth x what the kvstores'
+  codec really saves there), in the first stretch of the wire left idle by the transfers
+  booked before it. Layer-wise streaming
   (transfer overlapping prefill) is modelled only when the engine does it (`streams_layers`).
 - Shared hosts: sites that name the same `host` share one machine (a one-host lab cluster);
   an engine there runs at 1/k of its speed while k engines of that host are busy (k taken
@@ -20,6 +21,7 @@ from the placer's estimates (ember.placement.policy), which see only what a rout
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 import random
@@ -47,6 +49,11 @@ class SharedHost:
         self.prefills: list[tuple[float, float]] = []
         self.batches: list[DecodeBatch] = []
 
+    def forget(self, before: float) -> None:
+        """Drop prefills that ended before `before` and before any batch's clock (none can ask)."""
+        oldest = min([before] + [b.t for b in self.batches])
+        self.prefills = [(start, end) for start, end in self.prefills if end >= oldest]
+
     def busy(self, t: float, but: DecodeBatch | None = None) -> int:
         """Engines busy at `t` (a batch's state as of its last event; `but` left out)."""
         return sum(1 for start, end in self.prefills if start <= t < end) + \
@@ -60,8 +67,10 @@ class PrefillWorkers:
             Noise(profile.service_cv, rng)
         self.free_at = [0.0] * max(1, workers)  # a heap of when each worker frees
 
-    def serve(self, arrive: float, new_tokens: int, cached_tokens: int) -> tuple[float, float]:
-        """(start, end) of a prefill reaching the site at `arrive`."""
+    def serve(self, now: float, arrive: float, new_tokens: int, cached_tokens: int) -> tuple[float, float]:
+        """(start, end) of a prefill placed at `now`, reaching the site at `arrive`."""
+        if self.host is not None and len(self.host.prefills) > 64:
+            self.host.forget(now)
         free = heapq.heappop(self.free_at)
         start = max(arrive, free)
         # HardwareProfile.prefill_s, inlined (the simulator's hot loop)
@@ -126,20 +135,44 @@ class DecodeBatch:
 
 
 class Link:
-    """One direction of a link: FIFO transfers at its bandwidth (codec included)."""
+    """One direction of a link: transfers at its bandwidth (codec included), each in the first
+    idle stretch of the wire at or after it is ready (not behind transfers placed earlier but
+    ready later)."""
 
     def __init__(self, rtt_s: float, bytes_per_s: float, cv: float, rng: random.Random):
         self.rtt_s, self.bytes_per_s, self.noise = rtt_s, bytes_per_s, Noise(cv, rng)
-        self.free_at = 0.0
+        self.busy: list[tuple[float, float]] = []  # the wire's booked stretches, by start
 
-    def transfer(self, start: float, ready: float, nbytes: int, streams_layers: bool) -> float:
-        """When `nbytes` of KV, produced from `start` until `ready` (prefill), have landed. Without
-        layer-wise streaming the bytes leave at `ready`; with it they leave as the layers finish,
-        so only the last layer's share and whatever the link cannot keep up with trail `ready`."""
+    def _book(self, earliest: float, wire: float) -> float:
+        """Book `wire` seconds from the first idle stretch at or after `earliest`; its start."""
+        at = earliest
+        i = bisect.bisect_left(self.busy, (earliest,))
+        if i and self.busy[i - 1][1] > at:
+            at = self.busy[i - 1][1]
+        while i < len(self.busy) and self.busy[i][0] < at + wire:
+            at = max(at, self.busy[i][1])
+            i += 1
+        self.busy.insert(i, (at, at + wire))
+        return at
+
+    def forget(self, before: float) -> None:
+        """Drop stretches that ended before `before` (no later transfer can be ready earlier)."""
+        i = 0
+        while i < len(self.busy) and self.busy[i][1] < before:
+            i += 1
+        if i:
+            del self.busy[:i]
+
+    def transfer(self, now: float, start: float, ready: float, nbytes: int, streams_layers: bool) -> float:
+        """When `nbytes` of KV, produced from `start` until `ready` (prefill; `ready` is also when
+        the decode side asks for them), have landed: a request leg, the wire time, the data leg
+        (one RTT in all). Without layer-wise streaming the bytes leave at `ready`; with it they
+        leave as the layers finish, so only the last layer's share and whatever the link cannot
+        keep up with trail `ready`."""
         if nbytes <= 0:
             return ready
+        self.forget(now)
         wire = nbytes / self.bytes_per_s * self.noise()
-        begin = max(start if streams_layers else ready, self.free_at)
+        begin = self._book(start if streams_layers else ready, wire)
         end = max(begin + wire, ready + wire / LAYERS) if streams_layers else begin + wire
-        self.free_at = end
         return end + self.rtt_s

@@ -1,8 +1,10 @@
-"""`ember plan` (torch-free): the smallest prefill and decode capacity per site that meets the
-SLO for a target share of a trace's requests, found by simulating candidate deployments.
+"""`ember plan` (torch-free): a deployment, as small as one worker at a time can make it, of
+prefill and decode workers per site that meets the SLO for a target share of a trace's
+requests, found by simulating candidate deployments. (A greedy search: no single worker can
+go, which is not a proof that no smaller deployment of another shape exists.)
 
 A deployment is the config's sites with a number of prefill workers and decode workers each
-(a decode worker brings its profile's `max_batch` sequences; a role a site lacks stays absent).
+(a site's decode capacity scales with its decode workers; a role a site lacks stays absent).
 The search:
 1. Grow: double every site's workers until the simulator says the SLO share is met (or the
    ceiling is reached: then the trace cannot be served by these sites, and the plan says so).
@@ -13,6 +15,7 @@ The search:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from ember.config.schema import ClusterConfig
@@ -59,10 +62,9 @@ def sized(config: ClusterConfig, counts: Counts) -> ClusterConfig:
             n = counts.get((original.name, role), 0)
             if n:
                 site[role] = _addresses(getattr(original, role), n, taken)
-        if (original.name, "decode") in counts:
-            per_worker = (original.capacity or config.profile(original.name).max_batch * len(original.decode)) \
-                // max(1, len(original.decode))
-            site["capacity"] = max(1, per_worker) * counts[(original.name, "decode")]
+        n, configured = counts.get((original.name, "decode"), 0), len(original.decode)
+        if n and n != configured:  # the site's decode capacity scales with its workers
+            site["capacity"] = math.ceil(config.decode_capacity(original.name) * n / max(1, configured))
     return ClusterConfig.model_validate(data)
 
 
@@ -88,9 +90,10 @@ class Planner:
         counts = current(self.config)
         report = self.simulate(counts)
         while not self.meets(report):  # 1. grow
-            if max(counts.values()) >= self.max_workers:
+            grown = {k: min(self.max_workers, 2 * n) for k, n in counts.items()}
+            if grown == counts:  # every site and role at the ceiling
                 return Plan(counts, report, self.share, False, self.simulations)
-            counts = {k: min(self.max_workers, 2 * n) for k, n in counts.items()}
+            counts = grown
             report = self.simulate(counts)
         missed: set[tuple[str, str]] = set()  # workers whose removal missed the SLO share (since re-checked)
         while True:  # 2. shrink, the biggest counts first

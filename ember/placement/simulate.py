@@ -11,10 +11,14 @@ Two sides, kept apart so that "the policy wins" is never true by construction:
   saves, noise of the profile's `service_cv`, and layer-wise streaming only when the engine
   does it (it does not yet: `streams_layers=False`).
 
-TTFT = user RTT + (router -> prefill site RTT if remote) + queue wait + prefill; the decode
-site starts once the KV has landed; TPOT = (last token - first token) / (n - 1), the router's
-definition (the transfer gap included); e2e = TTFT + (n - 1) x TPOT. Goodput (DistServe):
-requests per second that meet both the TTFT and the TPOT target.
+The router sits at `router_site` when given (a lab cluster's one router), else at each
+request's decode site (an edge router near its users). TTFT = user RTT (with `user_rtt`) +
+router -> prefill site and back + queue wait + prefill. Decode begins when the router's
+Decode call reaches the decode site after the first token; a remote decode then pulls the KV
+over the link (request leg, wire, data leg) and imports it. TPOT = (last token - first
+token) / (n - 1) at the router, the router's definition (the transfer gap included);
+e2e = TTFT + (n - 1) x TPOT. Goodput (DistServe): requests per second that meet both the
+TTFT and the TPOT target.
 """
 from __future__ import annotations
 
@@ -57,16 +61,21 @@ class _RouterQueue:
 
 
 class _RouterStreams:
-    """Load.decode_running as the router keeps it: streams placed at a site that have not ended
-    (the hardware's decode batch is played up to now to see which have)."""
+    """Load.decode_running as the router keeps it: streams whose Decode call has begun (the first
+    token is back) and not ended (the hardware's decode batch is played up to now to see which have)."""
 
     def __init__(self, sim: Simulator):
         self.sim, self.count = sim, {}
+        self.starting: list[tuple[float, str]] = []  # (first token at the router, decode site)
 
     def get(self, site: str, default: int = 0) -> int:
+        now, starting, count = self.sim.queue.now, self.starting, self.count
+        while starting and starting[0][0] <= now:
+            s = heapq.heappop(starting)[1]
+            count[s] = count.get(s, 0) + 1
         if site in self.sim.decode:
-            self.sim.drain(site, self.sim.queue.now)
-        return self.count.get(site, default)
+            self.sim.drain(site, now)
+        return count.get(site, default)
 
 
 @dataclass
@@ -98,7 +107,7 @@ def _percentiles(values: np.ndarray) -> dict[str, float]:
 class Simulator:
     def __init__(self, config: ClusterConfig, policy: str | None = None, slo_ttft_s: float = 1.0,
                  slo_tpot_s: float = 0.05, kv_cache_tokens: int = 4_000_000, seed: int = 0,
-                 streams_layers: bool = False):
+                 streams_layers: bool = False, user_rtt: bool = True, router_site: str | None = None):
         if policy is not None:
             config = config.model_copy(update={"placement": config.placement.model_copy(update={"policy": policy})})
         self.config, self.policy = config, config.placement.policy
@@ -122,12 +131,15 @@ class Simulator:
         self.queue = _RouterQueue()
         self.streams = _RouterStreams(self)
         self.load = Load(prefill_queue_s=self.queue, decode_running=self.streams)  # type: ignore[arg-type]
-        self.user_rtt = {(r.name, x.site): x.rtt_ms / 1e3 for r in config.regions for x in r.reach}
+        self.user_rtt = {(r.name, x.site): x.rtt_ms / 1e3 for r in config.regions for x in r.reach} \
+            if user_rtt else {}
+        self.router_site = router_site  # None: at each request's decode site (an edge router near its users)
         self.site_cache: dict[str, OrderedDict[str, int]] = {s.name: OrderedDict() for s in config.sites}
         self.site_used: dict[str, int] = {s.name: 0 for s in config.sites}
         self.session_sites: dict[str, dict[str, int]] = {}  # session -> site -> cached prefix tokens
         self.kv_cache_tokens = kv_cache_tokens
-        # per sequence that decodes: (its request's index, first token at the router, tokens after it)
+        # per sequence that decodes: (its request's index, first token at the router less the
+        # router -> decode leg (so that last_at - this is the router's decode time), tokens after it)
         self.sequences: list[tuple[int, float, int]] = []
         self.ended: dict[int, float] = {}
 
@@ -141,6 +153,10 @@ class Simulator:
             victim, freed = lru.popitem(last=False)
             self.site_used[site] -= freed
             self.session_sites[victim].pop(site, None)
+
+    def _rtt(self, a: str, b: str) -> float:
+        link = self.links.get((a, b))
+        return link.rtt_s if link is not None else 0.0
 
     def drain(self, site: str, now: float) -> None:
         """Play `site`'s decode batch up to `now`; the streams that ended leave the router's count."""
@@ -156,7 +172,7 @@ class Simulator:
         ttft, tpot, e2e = [], [], []
         rejected = link_bytes = remote = 0
         first_t = last_t = None
-        bs, placer, count = self.block_size, self.placer, self.streams.count
+        bs, placer = self.block_size, self.placer
         for r in trace:
             now = r.t
             first_t = now if first_t is None else first_t
@@ -171,29 +187,30 @@ class Simulator:
                 rejected += 1
                 continue
             p, decode, est = d.prefill_site, d.decode_site, d.estimate
-            hop = 0.0 if p == decode else self.links[(p, decode)].rtt_s
+            router = self.router_site or decode
+            to_prefill, to_decode = self._rtt(router, p), self._rtt(router, decode)
             have = min(cached.get(p, 0) * bs, r.prompt_tokens - 1)     # what the prefill site really holds
-            begin, end = self.prefill[p].serve(now + hop / 2, r.prompt_tokens - have, have)
-            first_at = end + hop / 2                                   # the first token at the router
-            self.queue.add(p, first_at, est.prefill_s)  # what the router adds: its estimate
-            user_rtt = self.user_rtt.get((r.region, decode), 0.0)
-            ttft.append(user_rtt + first_at - now)
+            begin, end = self.prefill[p].serve(now, now + to_prefill / 2, r.prompt_tokens - have, have)
+            first_at = end + to_prefill / 2                           # the first token at the router
+            self.queue.add(p, first_at, est.prefill_s)                 # what the router adds: its estimate
+            ttft.append(self.user_rtt.get((r.region, router), 0.0) + first_at - now)
             tpot.append(0.0)
             e2e.append(ttft[-1])
-            landed = end
+            landed = asked = first_at + to_decode / 2                  # the Decode call reaches the decode site
             if p != decode:
                 remote += 1
                 kv = max(0, r.prompt_tokens // bs - cached.get(decode, 0)) * bs * self.kv_bytes_per_token
                 link_bytes += kv
-                landed = self.links[(p, decode)].transfer(begin, end, kv, self.streams_layers)
+                landed = self.links[(p, decode)].transfer(now, begin, asked, kv, self.streams_layers)
             if r.output_tokens > 1:
                 self.decode[decode].join(landed, len(self.sequences), r.output_tokens - 1)
-                self.sequences.append((len(ttft) - 1, first_at, r.output_tokens - 1))
-                count[decode] = count.get(decode, 0) + 1
+                self.sequences.append((len(ttft) - 1, first_at - to_decode / 2, r.output_tokens - 1))
+                heapq.heappush(self.streams.starting, (first_at, decode))
             self._cache(p, r.session, r.prompt_tokens)
             self._cache(decode, r.session, r.prompt_tokens + r.output_tokens)
-        for site in self.decode:
-            self.drain(site, float("inf"))
+        self.queue.now = float("inf")
+        for site in self.decode:  # every stream starts and ends
+            self.streams.get(site)
         for sequence, (i, first_at, tokens) in enumerate(self.sequences):
             last_at = self.ended[sequence]
             tpot[i] = (last_at - first_at) / tokens
