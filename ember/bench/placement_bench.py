@@ -86,18 +86,22 @@ def measure_served_profile(router: str, hop_s: dict[str, float]) -> dict:
             raise RuntimeError(f"no TTFT from the router: {final}")
         return final.timings.ttft_s - hop_s.get(final.placement.prefill_site, 0.0)
     def step_s(streams: int) -> float:
-        """The median gap between a stream's tokens once every stream decodes (tokens 8 to 48 of
-        each: their prefills and KV moves are over by then)."""
+        """A decode step once every stream decodes: the time from a stream's 8th token to its
+        last over the tokens between (their prefills and KV moves are over by then; a message
+        may carry several tokens)."""
         prompts = [[rng.randrange(200, 40000) for _ in range(32)] for _ in range(streams)]
 
-        def gaps(ids: list[int]) -> list[float]:
+        def step(ids: list[int]) -> float:
+            seen, start = 0, None
             with RouterClient(router) as client:
-                arrivals = [time.perf_counter() for msg in client.stream(token_ids=ids, max_tokens=48, ignore_eos=True,
-                                                                         user_region="users-west", timeout=120)
-                            for _ in msg.token_ids]
-            return [b - a for a, b in zip(arrivals[8:], arrivals[9:])]
+                for msg in client.stream(token_ids=ids, max_tokens=48, ignore_eos=True, user_region="users-west",
+                                         timeout=120):
+                    seen += len(msg.token_ids)
+                    if start is None and seen >= 8:
+                        start, from_token = time.perf_counter(), seen
+            return (time.perf_counter() - start) / max(1, seen - from_token)
         with ThreadPoolExecutor(streams) as pool:
-            return statistics.median(g for gs in pool.map(gaps, prompts) for g in gs)
+            return statistics.median(pool.map(step, prompts))
     one(64, 4)
     shorts = [prefill_s(256) for _ in range(4)]
     long = min(prefill_s(1024) for _ in range(2))
