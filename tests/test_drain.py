@@ -303,12 +303,20 @@ def test_sigterm_drains_prefill(cluster):
     def store_reads() -> int:  # the engine core asks the site kvstore for a prompt's blocks first
         return sum(line.count('"/ember.v1.KVStore/Acquire"') for f in cluster.run_dir.glob("kvstore-central-*.jsonl")
                    for line in f.read_text().splitlines() if '"SERVER"' in line)
+    # The in-flight calls are held at their write-back (a frozen site kvstore) until the refusal is
+    # seen, so however fast this machine computes, they are still running when new calls are refused.
+    store = cluster.procs["kvstore-central"]
     before = store_reads()
     with ThreadPoolExecutor(3) as pool:
         calls = [pool.submit(prefill, i) for i in range(len(prompts))]
         wait_until(lambda: store_reads() - before >= len(prompts), 30, "both prefills in the engine core")
-        in_flight = pool.submit(lambda: [c.result() for c in calls])
-        at = drain(cluster.procs[name], address, in_flight, probe, router_sees(cluster, name))
+        store.send_signal(signal.SIGSTOP)
+        try:
+            in_flight = pool.submit(lambda: [c.result() for c in calls])
+            at = drain(cluster.procs[name], address, in_flight, probe, router_sees(cluster, name),
+                       finish=lambda: store.send_signal(signal.SIGCONT))
+        finally:
+            store.send_signal(signal.SIGCONT)
         for response in in_flight.result():
             assert response.computed_tokens == 512 and response.blocks_stored == 512 // 16
     print(name, at)

@@ -91,8 +91,9 @@ def test_pipeline_blocks_are_whole_model_and_equal_tp1s_bytes(make_engine):
 
 
 @pytest.mark.timeout(300)
-def test_a_killed_stage_fails_the_engine_within_its_timeout_not_a_hang():
-    assert_a_killed_rank_fails_the_engine(_engine(), PROMPTS[0])
+@pytest.mark.parametrize("mid_step", [False, True], ids=["between-steps", "mid-step"])
+def test_a_killed_stage_fails_the_engine_within_its_timeout_not_a_hang(mid_step):
+    assert_a_killed_rank_fails_the_engine(_engine(), PROMPTS[0], mid_step=mid_step)
 
 
 @pytest.mark.timeout(300)

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 from ember.engine.device import collective_backend, host_staged, rank_device
 
 START_TIMEOUT_S = 300  # ranks loading their parts and joining the group
+ABORT_S = 10  # the longest a failed group's teardown may hold its caller
 
 
 def _free_port() -> int:
@@ -114,6 +115,11 @@ class RankGroup:
         the driver's own part raised), the group cannot be trusted to be in step again: abort it."""
         if self._closed:
             raise RuntimeError("the parallel engine's ranks are gone (an earlier command failed): restart it")
+        dead = [p for p in self.procs if p.exitcode is not None]
+        if dead:  # known dead: fail now, whether or not the collective library has noticed yet
+            self.abort()
+            raise RuntimeError(f"rank process {dead[0].name} exited with code {dead[0].exitcode}: restart the "
+                               "parallel engine")
         try:
             yield
         except BaseException:
@@ -147,10 +153,16 @@ class RankGroup:
         never join would otherwise hold close() for the group's timeout), the group destroyed."""
         self._closed = True
         self.kill()
-        try:
-            dist.destroy_process_group()
-        except Exception:  # noqa: BLE001
-            pass
+
+        def destroy():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+        # bounded: a group whose peers died mid-collective must not hold the caller's error
+        destroying = threading.Thread(target=destroy, daemon=True, name="ember-parallel-abort")
+        destroying.start()
+        destroying.join(timeout=ABORT_S)
 
     def kill(self) -> None:
         for p in self.procs:
