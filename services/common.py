@@ -91,8 +91,10 @@ async def serve_engine_service(role: str, service_name: str, service, add_to_ser
 
         def died():
             loop.create_task(server.set_status(health_pb2.HealthCheckResponse.NOT_SERVING))
+        from ember.cluster.wan import parse_routes
         service.engine = await SubprocessEngineClient.start(engine, kvstore=settings.kvstore,
-                                                            use_shm=settings.shared_memory, on_death=died)
+                                                            use_shm=settings.shared_memory, on_death=died,
+                                                            routes=parse_routes(args.route))
         metrics.watch_engine(service.engine)
 
     async def stop():

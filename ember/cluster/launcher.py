@@ -78,9 +78,14 @@ def emulated_links(config: ClusterConfig, ports: _Ports | None = None) -> tuple[
         listen = ports.address()
         relays.append({"listen": listen, "target": target, "rtt_ms": link.rtt_ms, "gbps": link.bandwidth_gbps})
         routes.setdefault(user, []).append(f"{target}={listen}")
+    prefill_workers = [s for s in services(config) if s.role == "prefill"]
     for site in config.sites:
         for worker in site.prefill + site.decode:
             relay(config.router.site, site.name, worker, "router")
+        for peer in config.sites:  # a prefill worker at `site` streaming KV to `peer`'s kvstore
+            if peer.name != site.name and peer.has("kvstore"):
+                for worker in (w for w in prefill_workers if w.site == site.name):
+                    relay(site.name, peer.name, peer.kvstore, worker.name)
         for peer in config.sites:  # kvstore at `site` pulling from `peer`
             if peer.name != site.name and site.has("kvstore"):
                 relay(site.name, peer.name, peer.kvstore, f"kvstore-{site.name}")

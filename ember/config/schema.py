@@ -228,6 +228,9 @@ class KVStoreSection(Section):
                                  "what is missing, or fails the request")
     recompute_max_tokens: int | None = Field(None, gt=0, description="recompute at most this many prompt tokens "
                                                                      "after a failed transfer; unset: any")
+    stream_prefill: bool = Field(True, description="a remote prefill's blocks leave for the decode site's kvstore "
+                                                   "chunk by chunk while later chunks compute (its chunks halve so "
+                                                   "the last is small); off: they cross after prefill ends")
     max_lease_s: float = Field(30.0, gt=0, le=3600, description="longest lease a kvstore grants on blocks; a longer "
                                                                 "request is granted this (holders renew within "
                                                                 "it), so a dead holder's blocks free within it")

@@ -61,6 +61,19 @@ class _QueueState:
     last_served: int = 0  # when it was last given tokens (a count of grants)
 
 
+STREAM_TAIL_TOKENS = 128  # a streamed prompt's last chunk: what crosses the link after its prefill ends
+
+
+def streamed_chunk(left: int, block_size: int, tail: int = STREAM_TAIL_TOKENS) -> int:
+    """A streamed prompt's next chunk: half of what is left (whole blocks), down to `tail` tokens.
+    Each chunk's KV crosses the link while the chunks after it compute; only the last one's
+    crosses after the prefill ends, so it is made small (2,048 tokens: 1,024, 512, 256, 128, 128)."""
+    if left <= tail:
+        return left
+    half = -(-left // 2)
+    return min(left, max(tail, -(-half // block_size) * block_size))
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  *, starvation_steps: int = 8):
@@ -138,7 +151,8 @@ class Scheduler:
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
                 admitted.add(id(seq))
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            left = seq.num_tokens - seq.num_computed_tokens
+            num_new = min(streamed_chunk(left, bm.block_size) if seq.streamed else left, budget)
             if not bm.can_grow(seq, num_new):  # cannot happen: admission allocated the whole prompt
                 continue
             bm.grow(seq, num_new)

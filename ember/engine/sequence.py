@@ -36,6 +36,7 @@ class Sequence:
     matcher: object | None = None  # its constraint's grammar state (ember.engine.constraints), if any
     drafter: object | None = None  # its prompt-lookup index (ember.engine.speculation), when it speculates
     draft_token_ids: list[int] = field(default_factory=list)  # this step's drafts, after token_ids
+    streamed: bool = False  # its KV leaves chunk by chunk while it prefills: its chunks halve (scheduler)
 
     @property
     def num_tokens(self) -> int:

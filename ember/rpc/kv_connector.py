@@ -18,15 +18,21 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 import time
 from dataclasses import dataclass
+
+import grpc
 
 from ember.kv import bulk, wire
 from ember.rpc import tracing
 from ember.rpc.server import channel
 from ember.rpc.site_kv import SiteKV
-from ember.v1 import kvstore_pb2
+from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+STREAM_TIMEOUT_S = 60.0  # a streamed chunk's pull at the decode site
+log = logging.getLogger("ember.kv_connector")
 
 
 @dataclass
@@ -41,8 +47,13 @@ class Loaded:
 
 class KVConnector:
     def __init__(self, kvstore_address: str, frame_template: wire.FrameHeader, use_shm: bool = True,
-                 mac_key: bytes | None = None):
+                 mac_key: bytes | None = None, routes: dict[str, str] | None = None):
+        """`routes`: another site's kvstore address -> the emulated link in front of it (streaming)."""
         self.frame_template = frame_template
+        self.kvstore_address, self.routes = kvstore_address, routes or {}
+        self._peers: dict[str, kvstore_pb2_grpc.KVStoreStub] = {}  # other sites' kvstores (streaming)
+        self._streaming: set[asyncio.Task] = set()
+        self.blocks_streamed = self.streams_failed = 0
         self.mac_key = wire.check_mac_key(mac_key)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="kv-connector", daemon=True)
@@ -116,10 +127,46 @@ class KVConnector:
             frames = ((h, wire.sign_frame(frame, key)) for h, frame in frames)
         return self._submit(bulk.put(self._kv.channel, frames, timeout=timeout), trace_context)
 
+    def stream(self, frames: list[tuple[bytes, bytes]], to: str, prefetch: list[bytes] = (),
+               trace_context: dict[str, str] | None = None) -> concurrent.futures.Future:
+        """Layer-wise streaming at chunk grain: store a prefill chunk's new blocks (`frames`) in the
+        site store, then have `to` (the decode site's kvstore) pull them, and the `prefetch` blocks
+        the site store already held, from there. The future gives the store's (stored, already
+        there); the pulls run on in the background (a failed one is counted, never raised: decode
+        pulls, or recomputes, what did not arrive, and its pull waits for one still running)."""
+        if self.mac_key is not None:
+            key = self.mac_key
+            frames = [(h, wire.sign_frame(frame, key)) for h, frame in frames]
+        hashes = [h for h, _ in frames]
+
+        async def run() -> tuple[int, int]:
+            stored = await bulk.put(self._kv.channel, frames, timeout=60.0) if frames else (0, 0)
+            for group in (prefetch, hashes):
+                if group:
+                    task = self._loop.create_task(self._send_on(to, list(group)))
+                    self._streaming.add(task)
+                    task.add_done_callback(self._streaming.discard)
+            return stored
+        return self._submit(run(), trace_context)
+
+    async def _send_on(self, to: str, hashes: list[bytes]) -> None:
+        if to not in self._peers:
+            self._peers[to] = kvstore_pb2_grpc.KVStoreStub(channel(self.routes.get(to, to)))
+        try:
+            response = await self._peers[to].Pull(kvstore_pb2.PullRequest(
+                block_hashes=hashes, source=self.kvstore_address, lease_s=0), timeout=STREAM_TIMEOUT_S)
+            self.blocks_streamed += response.blocks_pulled + response.blocks_present
+        except grpc.aio.AioRpcError as e:
+            self.streams_failed += 1
+            log.info("streaming %d blocks to %s failed (decode pulls or recomputes them): %s %s", len(hashes), to,
+                     e.code().name, e.details())
+
     def close(self) -> None:
         async def shut():
             for lease_id in self._kv.leases_renewing:  # what was never released ends now, not at its TTL
                 await self._kv.release(lease_id, check=False)
+            for task in list(self._streaming):
+                task.cancel()
             await self._kv.channel.close()
         try:
             self._submit(shut()).result(timeout=5)

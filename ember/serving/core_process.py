@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kvstore", help="the site kvstore's gRPC address (L2, KV transfers)")
     p.add_argument("--no-shm", action="store_true", help="read frames over gRPC even on the same host")
     p.add_argument("--tls-dir", help="the service's TLS folder (ember.rpc.security): mTLS to the kvstore")
+    p.add_argument("--route", action="append", default=[], metavar="ADDRESS=RELAY",
+                   help="reach another site's kvstore ADDRESS through RELAY (an emulated link)")
     args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the service, which shuts us down
     exit_with_parent()
@@ -66,8 +68,10 @@ def main(argv: list[str] | None = None) -> int:
             if creds is not None and creds.mac_key is None:
                 logging.getLogger("ember.engine").warning(
                     "%s holds no kv-mac.key: KV frames go unsigned and are imported unchecked", creds.folder)
+            from ember.cluster.wan import parse_routes
             connector = KVConnector(args.kvstore, engine.frame_template, use_shm=not args.no_shm,
-                                    mac_key=creds.mac_key if creds is not None else None)
+                                    mac_key=creds.mac_key if creds is not None else None,
+                                    routes=parse_routes(args.route))
         core = EngineCore(engine, connector)
         info = CoreInfo(os.getpid(), engine.config.block_size, engine.block_manager.root_hash,
                         engine.loaded.args.vocab_size, engine.max_model_len, list(engine.kernels))

@@ -211,13 +211,16 @@ class SubprocessEngineClient(EngineClient):
 
     @classmethod
     async def start(cls, config, kvstore: str | None = None, use_shm: bool = True,
-                    on_death: Callable[[], None] | None = None) -> SubprocessEngineClient:
-        """Spawn the core for `config` (an EngineConfig) and wait until its model is warm."""
+                    on_death: Callable[[], None] | None = None, routes: dict[str, str] | None = None
+                    ) -> SubprocessEngineClient:
+        """Spawn the core for `config` (an EngineConfig) and wait until its model is warm. `routes`:
+        other sites' kvstores -> the emulated links in front of them (the core streams KV there)."""
         mine, theirs = socket.socketpair()
         argv = [sys.executable, "-m", "ember.serving.core_process", "--fd", str(theirs.fileno()),
                 "--config", config.model_dump_json()]
         if kvstore:
             argv += ["--kvstore", kvstore] + ([] if use_shm else ["--no-shm"])
+            argv += [a for true, relay in (routes or {}).items() for a in ("--route", f"{true}={relay}")]
         from ember.rpc import security
         if security.current() is not None:  # the core dials the kvstore as this service
             argv += ["--tls-dir", str(security.current().folder)]

@@ -52,6 +52,9 @@ class _Live:
     l1_hashes: list[bytes] = field(default_factory=list)
     l2_lookup: concurrent.futures.Future | None = None
     first_sent: bool = False
+    hashes: list[bytes] = field(default_factory=list)  # its prompt's full blocks
+    streamed: int = 0  # leading full blocks sent on to its plan's stream_to so far
+    stream_stores: list[tuple[concurrent.futures.Future, list[bytes]]] = field(default_factory=list)
 
 
 @dataclass
@@ -166,6 +169,7 @@ class EngineCore:
                 self._break_hold_deadlock()
             for out in outputs:
                 events.extend(self._on_output(out))
+            self._stream_chunks()
             self._release_admitted()
         return events
 
@@ -206,12 +210,11 @@ class EngineCore:
                     continue
                 log.warning("write-back to the site kvstore failed (the reader computes instead): %s", exc)
                 if out is not None:
-                    out.kv.blocks_stored = 0
                     events.append(("out", out))
                 continue
             self.tiers.blocks_written_back += stored
             if out is not None:
-                out.kv.blocks_stored = stored
+                out.kv.blocks_stored += stored
                 events.append(("out", out))
         for rid, future in [r for r in self.releases if r[1].done()]:
             self.releases.remove((rid, future))
@@ -261,11 +264,13 @@ class EngineCore:
         try:
             self.engine.add_request(request.prompt_token_ids, request.params, request.request_id,
                                     output_prefix=request.output_prefix, check_queue=False,
-                                    cache_salt=request.cache_salt, shared_blocks=request.shared_blocks)
+                                    cache_salt=request.cache_salt, shared_blocks=request.shared_blocks,
+                                    streamed=self._streams(request))
         except (InvalidRequestError, CapacityError) as e:
             self._release_pins(pins)
             return [_error(request.request_id, e)]
-        self.live[request.request_id] = _Live(request, pins, kv, list(hashes[:kv.blocks_l1]), l2_lookup)
+        self.live[request.request_id] = _Live(request, pins, kv, list(hashes[:kv.blocks_l1]), l2_lookup,
+                                              hashes=list(hashes))
         return []
 
     def _on_output(self, out: RequestOutput) -> list[tuple]:
@@ -291,17 +296,48 @@ class EngineCore:
             done = live.l2_lookup.done() and live.l2_lookup.exception() is None
             present = live.l2_lookup.result() if done else [False] * len(live.l1_hashes)
             wanted = [h for h, p in zip(live.l1_hashes, present) if not p] + wanted
+        streamed = [(f.result()[0], hashes) for f, hashes in live.stream_stores if f.done() and f.exception() is None]
+        stored = {h for _, hashes in streamed for h in hashes}
         frames = []
-        for h in dict.fromkeys(wanted):
+        for h in dict.fromkeys(h for h in wanted if h not in stored):  # (streamed chunks are in the store)
             if h in self.engine.block_manager.cached:
                 frames.extend(zip([h], self.engine.export_frames([h])))
         out.kv = out.kv or KVStats()
+        out.kv.blocks_stored = sum(n for n, _ in streamed)
+        self.tiers.blocks_written_back += out.kv.blocks_stored
         if not frames:
             return [("out", out)]
         sync = plan.write_back == "sync"
-        self.stores.append((self.connector.store(frames, trace_context=live.request.trace_context),
-                            out if sync else None, live.request.plan.on_kv_failure == "fail"))
+        trace = live.request.trace_context
+        # a streaming request's last chunk leaves for the decode site as soon as it is stored, too
+        store = self.connector.stream(frames, plan.stream_to, trace_context=trace) if self._streams(live.request) \
+            else self.connector.store(frames, trace_context=trace)
+        self.stores.append((store, out if sync else None, plan.on_kv_failure == "fail"))
         return [] if sync else [("out", out)]
+
+    def _streams(self, request: AddRequest) -> bool:
+        return bool(request.plan is not None and request.plan.stream_to and self.connector is not None)
+
+    def _stream_chunks(self) -> None:
+        """After a step: the full blocks each streaming request's prefill completed leave for its
+        plan's stream_to (stored in the site store, pulled there) while its next chunks compute. Its
+        last chunk goes with the write-back at its finish; a cached prefix is only pulled there."""
+        bs, cached = self.engine.config.block_size, self.engine.block_manager.cached
+        for rid, live in self.live.items():
+            seq = self.engine.seqs.get(rid)
+            if not self._streams(live.request) or seq is None or not seq.admitted_once:
+                continue
+            full = min(seq.num_computed_tokens, seq.prompt_len) // bs
+            if full <= live.streamed:
+                continue
+            computed_from = max(live.streamed, seq.num_cached_tokens // bs)
+            prefetch = live.hashes[live.streamed:computed_from]
+            fresh = [h for h in live.hashes[computed_from:full] if h in cached]
+            frames = list(zip(fresh, self.engine.export_frames(fresh)))
+            future = self.connector.stream(frames, live.request.plan.stream_to, prefetch,
+                                           trace_context=live.request.trace_context)
+            live.stream_stores.append((future, fresh))
+            live.streamed = full
 
     def _count_tiers(self, out: RequestOutput, kv: KVStats) -> None:
         bs = self.engine.config.block_size

@@ -23,6 +23,9 @@ class KVPlan:
       last output is delivered (prefill: decode is about to pull them); "async" stores them
       in the background (decode: the next turn finds them); "none" skips it.
     - max_blocks: load at most the prompt's first N full blocks (those the source holds).
+    - stream_to: another site's kvstore (decode's): each chunk's new full blocks are stored in the
+      site store and pulled there while later chunks compute (its chunks halve, so the last is
+      small); a failed stream costs nothing but the overlap (decode pulls or recomputes the rest).
     - on_kv_failure: a failed or partial pull, or a failed sync write-back: "recompute" computes
       what is missing (at most recompute_max_tokens prompt tokens; None: any number), "fail"
       ends the request with the transfer's error. Never a wrong token either way.
@@ -33,6 +36,7 @@ class KVPlan:
     max_blocks: int | None = None
     on_kv_failure: str = "recompute"
     recompute_max_tokens: int | None = None
+    stream_to: str = ""
 
     def __post_init__(self):
         if self.write_back not in ("sync", "async", "none"):

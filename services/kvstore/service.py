@@ -131,7 +131,16 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             pulled_blocks, pulled_bytes, wire_bytes = await self._pull(request.source, missing, lease,
                                                                        remaining(context), codec_id)
         if waiting and not all(await asyncio.gather(*waiting)):
-            raise RpcError(grpc.StatusCode.UNAVAILABLE, "a concurrent pull of the same blocks failed")
+            # a concurrent pull of some of these blocks failed (a stream cut short, its deadline):
+            # this pull fetches what is still missing itself, once
+            again = [h for h in hashes if h not in self.store and h not in missing]
+            if again:
+                if not request.source:
+                    raise RpcError(grpc.StatusCode.UNAVAILABLE, "a concurrent pull of the same blocks failed")
+                more = await self._pull(request.source, again, lease, remaining(context),
+                                        self.fetcher.codec_for(self.fetcher.peer(request.source), len(again)))
+                pulled_blocks, pulled_bytes, wire_bytes = (a + b for a, b in zip((pulled_blocks, pulled_bytes,
+                                                                                  wire_bytes), more))
         if pulled_bytes:
             metrics.KV_PULL_THROUGHPUT.observe(pulled_bytes / max(1e-9, time.perf_counter() - start))
         tracing.annotate(source=request.source, blocks_requested=len(hashes), blocks_pulled=pulled_blocks,

@@ -9,8 +9,9 @@ from ember.v1 import prefill_pb2, prefill_pb2_grpc
 
 async def main(args) -> None:
     site, k = args.cluster.site(args.site), args.cluster.kvstore
+    others = frozenset(s.kvstore for s in args.cluster.sites if s.name != site.name and s.has("kvstore"))
     service = PrefillService(site.name, site.kvstore, tokenizer(args.cluster), k.on_transfer_failure,
-                             k.recompute_max_tokens)
+                             k.recompute_max_tokens, stream_targets=others)
     await serve_engine_service("prefill", prefill_pb2.DESCRIPTOR.services_by_name["Prefill"].full_name,
                                service, prefill_pb2_grpc.add_PrefillServicer_to_server, args)
 

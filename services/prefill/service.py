@@ -28,7 +28,9 @@ log = logging.getLogger("ember.prefill")
 
 class PrefillService(prefill_pb2_grpc.PrefillServicer):
     def __init__(self, site: str, kvstore_address: str, tokenizer, on_transfer_failure: str = "recompute",
-                 recompute_max_tokens: int | None = None):
+                 recompute_max_tokens: int | None = None, stream_targets: frozenset[str] = frozenset()):
+        """`stream_targets`: the other sites' kvstores, the only places a request may stream its KV to."""
+        self.stream_targets = stream_targets
         self.engine = None  # an EngineClient, set once the model is warm
         self.plan = KVPlan(read_through=True, write_back="sync", on_kv_failure=on_transfer_failure,
                            recompute_max_tokens=recompute_max_tokens)
@@ -47,10 +49,17 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         if request.block_hashes and list(request.block_hashes) != hashes:
             raise RpcError(grpc.StatusCode.FAILED_PRECONDITION, "the router's block hashes differ from this "
                            "prefill server's: they disagree on the model, KV dtype or block size")
+        plan = self.plan
+        if request.stream_to and request.stream_to != self.kvstore_address:
+            validate.address(request.stream_to, "stream_to")
+            if request.stream_to not in self.stream_targets:  # never dial an address a caller names
+                raise RpcError(grpc.StatusCode.PERMISSION_DENIED,
+                               f"stream_to {request.stream_to!r} is not a kvstore of this cluster's config")
+            plan = replace(plan, stream_to=request.stream_to)
         final = None
         try:
             async for out in self.engine.generate(prompt, replace(params, max_tokens=1), request.request_id,
-                                                  plan=self.plan, timeout_s=remaining(context), cache_salt=salt,
+                                                  plan=plan, timeout_s=remaining(context), cache_salt=salt,
                                                   shared_blocks=shared):
                 final = out
         except (asyncio.CancelledError, GeneratorExit):
