@@ -370,5 +370,8 @@ def test_only_embers_own_errors_get_a_status_anything_else_is_internal():
     assert status_for(CapacityError("x"))[0] == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert status_for(IntegrityError("x"))[0] == grpc.StatusCode.DATA_LOSS
     assert status_for(NotFoundError("x"))[0] == grpc.StatusCode.NOT_FOUND
+    import ssl  # the data plane's TLS: a connection cut mid-block, a peer whose certificate fails
+    assert status_for(ssl.SSLEOFError(8, "EOF occurred in violation of protocol"))[0] == grpc.StatusCode.UNAVAILABLE
+    assert status_for(ssl.SSLCertVerificationError(1, "bad"))[0] == grpc.StatusCode.UNAUTHENTICATED
     for bug in (ValueError("x"), KeyError("x"), OSError("x"), IndexError("index out of range")):
         assert status_for(bug)[0] == grpc.StatusCode.INTERNAL, f"{type(bug).__name__} must not hide as a status"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -66,6 +67,10 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(exc) or "deadline exceeded"
     if isinstance(exc, ConnectionError):  # a peer went away mid-transfer (the TCP data plane)
         return grpc.StatusCode.UNAVAILABLE, str(exc)
+    if isinstance(exc, ssl.SSLCertVerificationError):  # the data plane's peer is not who it should be
+        return grpc.StatusCode.UNAUTHENTICATED, f"the peer's certificate did not verify: {exc}"
+    if isinstance(exc, ssl.SSLError):  # the data plane's TLS connection broke (a cut link, a dead peer)
+        return grpc.StatusCode.UNAVAILABLE, f"{type(exc).__name__}: {exc}"
     # anything else is a bug: INTERNAL, with its traceback logged (no blanket ValueError/KeyError
     # mapping that would hide one)
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,123 @@
+"""KV streaming across real processes: the default local cluster (configs/local.yaml: prefill at
+central, decode at edge) with the router at the edge and a 60 ms / 1 Gbit/s emulated link between
+the sites. A remote prefill's blocks reach the edge store while it computes, so decode's own pull
+moves only the tail; a link cut mid-stream costs a recompute, never a wrong token or a lease."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from ember.client import RouterClient
+from ember.cluster.chaos import Cluster
+from ember.cluster.launcher import running
+from ember.cluster.ports import on_free_ports
+from ember.engine.sampling_params import SamplingParams
+from ember.engine.scheduler import STREAM_TAIL_TOKENS
+from ember.rpc import security
+from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
+from tests.conftest import LONG_TEXT
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT_TOKENS = 2048
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def linked(tmp_path_factory, model_path) -> Cluster:
+    run_dir = tmp_path_factory.mktemp("kv-streaming")
+    data = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+    data["router"]["site"] = "edge"
+    data["placement"]["emulate_links"] = True
+    data["links"] = [{"a": "central", "b": "edge", "rtt_ms": 60, "bandwidth_gbps": 1.0}]
+    data["engine"] = {"kv_cache_mb": 256, "threads": 1}
+    (run_dir / "source.yaml").write_text(yaml.safe_dump(data))
+    on_free_ports(run_dir / "source.yaml", run_dir / "cluster.yaml", str(model_path))
+    with running(run_dir / "cluster.yaml", run_dir, timeout_s=300):
+        yield Cluster(run_dir)
+
+
+def prompt(engine, salt: str) -> list[int]:
+    ids = engine.tokenizer.encode(salt + LONG_TEXT * 3)[:PROMPT_TOKENS]
+    assert len(ids) == PROMPT_TOKENS
+    return ids
+
+
+def decode_span(cluster: Cluster, request_id: str, timeout_s: float = 10) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for f in cluster.run_dir.glob("decode-*.jsonl"):
+            for line in f.read_text().splitlines():
+                span = json.loads(line)
+                attrs = span["attributes"]
+                if span["kind"] == "SERVER" and attrs.get("ember.request_id") == request_id \
+                        and "ember.recomputed_tokens" in attrs:
+                    return attrs
+        assert time.monotonic() < deadline, f"decode exported no span for {request_id}"
+        time.sleep(0.05)
+
+
+def edge_blocks(cluster: Cluster) -> int:
+    with security.dial(cluster.services["kvstore-edge"]["address"], cluster.credentials) as ch:
+        return kvstore_pb2_grpc.KVStoreStub(ch).Stats(kvstore_pb2.StatsRequest(), timeout=10).blocks
+
+
+def generate(cluster: Cluster, ids: list[int], request_id: str) -> list[int]:
+    with RouterClient(cluster.router) as client:
+        out = client.complete(token_ids=ids, max_tokens=NEW_TOKENS, ignore_eos=True, request_id=request_id,
+                              timeout=300)
+    p = out.final.placement
+    assert (p.prefill_site, p.decode_site) == ("central", "edge"), p.reason
+    return out.token_ids
+
+
+def test_a_remote_prefill_streams_its_blocks_and_decode_pulls_only_the_tail(linked, q4_engine):
+    ids = prompt(q4_engine(), "streamed ")
+    reference = q4_engine().generate([ids], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))[0].token_ids
+    assert generate(linked, ids, "streamed") == reference
+    span = decode_span(linked, "streamed")
+    blocks = PROMPT_TOKENS // 16
+    assert span["ember.blocks_imported"] == blocks and span["ember.recomputed_tokens"] <= 16
+    # everything but the last chunk was at the edge before decode asked (its pull waits for the
+    # tail's stream, or fetches it)
+    assert span["ember.blocks_pulled"] <= STREAM_TAIL_TOKENS // 16, span
+
+
+def test_a_stream_cut_halfway_recomputes_the_same_tokens_and_leaves_no_lease(linked, q4_engine):
+    ids = prompt(q4_engine(), "cut ")
+    reference = q4_engine().generate([ids], SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))[0].token_ids
+    links = json.loads((linked.run_dir / "links.json").read_text())
+    kv_targets = {info["address"] for name, info in linked.services.items() if info["role"] == "kvstore"}
+    kv_targets |= {r["target"] for r in links if r["target"] not in
+                   {info["address"] for info in linked.services.values()}}  # (the data planes)
+    to_cut = {r["listen"]: "reset" for r in links if r["target"] in kv_targets}
+    # each store -> the other's gRPC and data plane; central's prefill -> the edge store
+    assert len(to_cut) == 5
+    before = edge_blocks(linked)
+    result: list = []
+    request = threading.Thread(target=lambda: result.append(generate(linked, ids, "cut")), daemon=True)
+    request.start()
+    try:
+        deadline = time.monotonic() + 120
+        while edge_blocks(linked) - before < PROMPT_TOKENS // 16 // 2:  # the first chunk (half) has landed
+            assert time.monotonic() < deadline and request.is_alive(), "the first chunk never reached the edge"
+            time.sleep(0.01)
+        linked.set_faults(to_cut)
+        request.join(timeout=240)
+        assert not request.is_alive(), "the request hung on the cut link"
+    finally:
+        linked.set_faults({})
+    assert result and result[0] == reference
+    span = decode_span(linked, "cut")
+    landed = edge_blocks(linked) - before
+    assert landed < PROMPT_TOKENS // 16, "the cut came after every block had landed: not mid-stream"
+    # decode's pull failed on the cut link: nothing half-moved was imported, the prompt recomputed
+    assert span["ember.blocks_pulled"] == 0 and span["ember.recomputed_tokens"] >= PROMPT_TOKENS - landed * 16
+    linked.settle(linked.names("decode"))  # no sequence, block or lease left anywhere
+    failed = [line for line in linked.log_lines("decode-edge") if "pull from the site kvstore failed" in line]
+    assert failed and "StatusCode.UNAVAILABLE" in failed[-1], failed  # a cut link, never INTERNAL
