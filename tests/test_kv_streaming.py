@@ -12,22 +12,24 @@ from tests.conftest import LONG_TEXT
 from tests.test_engine_core import LoopbackConnector, drive
 
 
-def chunks(prompt_tokens: int, block_size: int = 16) -> list[int]:
+def chunks(prompt_tokens: int, budget: int = 1024, block_size: int = 16) -> list[int]:
     out, left = [], prompt_tokens
     while left:
-        out.append(streamed_chunk(left, block_size))
+        out.append(min(budget, streamed_chunk(left, block_size)))
         left -= out[-1]
     return out
 
 
-def test_a_streamed_prompts_chunks_halve_down_to_a_small_tail():
-    assert chunks(2048) == [1024, 512, 256, 128, 128]
-    assert chunks(1000) == [512, 256, 128, 104]
-    assert chunks(100) == [100] and chunks(STREAM_TAIL_TOKENS) == [STREAM_TAIL_TOKENS]
-    for n in (17, 129, 300, 4097):
+def test_a_streamed_prompt_ends_with_a_small_chunk_each_hidden_by_the_next():
+    assert chunks(2048) == [1024, 896, 128]
+    assert chunks(4096) == [1024, 1024, 1024, 896, 128]
+    assert chunks(1000) == [872, 128]
+    assert chunks(100) == [100] and chunks(STREAM_TAIL_TOKENS + 10) == [STREAM_TAIL_TOKENS + 10]
+    for n in (17, 129, 300, 2500, 9000):
         parts = chunks(n)
-        assert sum(parts) == n and parts[-1] <= STREAM_TAIL_TOKENS
-        assert all(p % 16 == 0 for p in parts[:-1]), parts  # every chunk but the last ends on a block
+        assert sum(parts) == n and parts[-1] <= STREAM_TAIL_TOKENS + 16, parts
+        # each chunk's transfer hides under the next one's compute when the link is >= 8x prefill
+        assert all(a <= 8 * b for a, b in zip(parts, parts[1:])), parts
 
 
 class StreamingConnector(LoopbackConnector):
@@ -67,9 +69,9 @@ def test_streamed_and_unstreamed_prefills_give_identical_frames_and_tokens(q4_en
     plain_tokens, plain = run_prefill(plain_engine, prompt, "")
     assert tokens == plain_tokens
     assert not plain.streamed and plain.frames.keys() == set(hashes)
-    # 512, 256, 128 left as they completed (32 + 16 + 8 blocks); the last chunk's 6 full blocks
-    # with the write-back, which streams too
-    assert [len(s) for s in streamed.streamed] == [32, 16, 8, 6] and streamed.sent_to == {"127.0.0.1:1"}
+    # 872 tokens' 54 full blocks left as they completed; the last chunk's 8 with the write-back,
+    # which streams too
+    assert [len(s) for s in streamed.streamed] == [54, 8] and streamed.sent_to == {"127.0.0.1:1"}
     assert [h for s in streamed.streamed for h in s] == hashes  # each block once, in order
     assert streamed.frames == plain.frames  # byte for byte
 

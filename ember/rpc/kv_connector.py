@@ -51,7 +51,7 @@ class KVConnector:
         """`routes`: another site's kvstore address -> the emulated link in front of it (streaming)."""
         self.frame_template = frame_template
         self.kvstore_address, self.routes = kvstore_address, routes or {}
-        self._peers: dict[str, kvstore_pb2_grpc.KVStoreStub] = {}  # other sites' kvstores (streaming)
+        self._peers: dict[str, grpc.aio.Channel] = {}  # other sites' kvstores (streaming)
         self._streaming: set[asyncio.Task] = set()
         self.blocks_streamed = self.streams_failed = 0
         self.mac_key = wire.check_mac_key(mac_key)
@@ -129,36 +129,53 @@ class KVConnector:
 
     def stream(self, frames: list[tuple[bytes, bytes]], to: str, prefetch: list[bytes] = (),
                trace_context: dict[str, str] | None = None) -> concurrent.futures.Future:
-        """Layer-wise streaming at chunk grain: store a prefill chunk's new blocks (`frames`) in the
-        site store, then have `to` (the decode site's kvstore) pull them, and the `prefetch` blocks
-        the site store already held, from there. The future gives the store's (stored, already
-        there); the pulls run on in the background (a failed one is counted, never raised: decode
-        pulls, or recomputes, what did not arrive, and its pull waits for one still running)."""
+        """Layer-wise streaming at chunk grain: a prefill chunk's new blocks (`frames`) are pushed to
+        `to` (the decode site's kvstore; announced up front, so a pull of them there waits for them)
+        while they are stored in the site store; the `prefetch` blocks, which the site store already
+        holds, are pulled there. The future gives the site store's (stored, already there); what
+        goes to `to` runs on in the background (a failure is counted, never raised: decode pulls, or
+        recomputes, what did not arrive)."""
         if self.mac_key is not None:
             key = self.mac_key
             frames = [(h, wire.sign_frame(frame, key)) for h, frame in frames]
         hashes = [h for h, _ in frames]
+        if hashes:  # the push leaves first: its announcement must reach `to` before decode's pull can
+            self._background(lambda: self._send_on(to, self._push(to, frames, hashes), len(hashes)), trace_context)
+        if prefetch:
+            self._background(lambda: self._send_on(to, self._pull_there(to, list(prefetch)), len(prefetch)),
+                             trace_context)
 
         async def run() -> tuple[int, int]:
-            stored = await bulk.put(self._kv.channel, frames, timeout=60.0) if frames else (0, 0)
-            for group in (prefetch, hashes):
-                if group:
-                    task = self._loop.create_task(self._send_on(to, list(group)))
-                    self._streaming.add(task)
-                    task.add_done_callback(self._streaming.discard)
-            return stored
+            return await bulk.put(self._kv.channel, frames, timeout=60.0) if frames else (0, 0)
         return self._submit(run(), trace_context)
 
-    async def _send_on(self, to: str, hashes: list[bytes]) -> None:
+    def _background(self, make, trace_context) -> None:
+        """Run make()'s coroutine on the connector's loop, tracked (closing cancels it)."""
+        async def start():
+            task = asyncio.get_running_loop().create_task(make())
+            self._streaming.add(task)
+            task.add_done_callback(self._streaming.discard)
+        self._submit(start(), trace_context)
+
+    def _peer(self, to: str) -> grpc.aio.Channel:
         if to not in self._peers:
-            self._peers[to] = kvstore_pb2_grpc.KVStoreStub(channel(self.routes.get(to, to)))
+            self._peers[to] = channel(self.routes.get(to, to))
+        return self._peers[to]
+
+    async def _push(self, to: str, frames, hashes: list[bytes]) -> None:
+        await bulk.put(self._peer(to), frames, timeout=STREAM_TIMEOUT_S, announce=hashes)
+
+    async def _pull_there(self, to: str, hashes: list[bytes]) -> None:
+        await kvstore_pb2_grpc.KVStoreStub(self._peer(to)).Pull(kvstore_pb2.PullRequest(
+            block_hashes=hashes, source=self.kvstore_address, lease_s=0), timeout=STREAM_TIMEOUT_S)
+
+    async def _send_on(self, to: str, moving, count: int) -> None:
         try:
-            response = await self._peers[to].Pull(kvstore_pb2.PullRequest(
-                block_hashes=hashes, source=self.kvstore_address, lease_s=0), timeout=STREAM_TIMEOUT_S)
-            self.blocks_streamed += response.blocks_pulled + response.blocks_present
+            await moving
+            self.blocks_streamed += count
         except grpc.aio.AioRpcError as e:
             self.streams_failed += 1
-            log.info("streaming %d blocks to %s failed (decode pulls or recomputes them): %s %s", len(hashes), to,
+            log.info("streaming %d blocks to %s failed (decode pulls or recomputes them): %s %s", count, to,
                      e.code().name, e.details())
 
     def close(self) -> None:

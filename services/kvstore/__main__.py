@@ -34,7 +34,7 @@ async def main(args) -> None:
                              routes=parse_routes(args.route), peers=set(s.peers),
                              tls=None if creds is None else creds.client_context(), link_GBps=dict(s.link_GBps))
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, server.server)
-    server.server.add_generic_rpc_handlers((bulk.handler(store.pinned, service.put_frame),))
+    server.server.add_generic_rpc_handlers((bulk.handler(store.pinned, service.put_frame, service.expect),))
     data_server = None
     if s.data_listen:
         host, port = bind_address(s.data_listen).rsplit(":", 1)

@@ -8,6 +8,7 @@ Pull itself while blocks cross a slow link; its TTL starts when the Pull answers
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import grpc
@@ -36,6 +37,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         self.fetcher = PeerFetcher(store, codec_mode, routes, tls, link_GBps)
         self.wire_bytes_pulled = 0
         self._inflight: dict[bytes, asyncio.Future] = {}  # one fetch per block at a time
+        self._pushing: dict[bytes, asyncio.Future] = {}  # of those, blocks an announced Put is bringing
 
     async def Lookup(self, request, context):
         present = [h in self.store for h in validate.block_hashes(request.block_hashes)]
@@ -61,6 +63,28 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             raise RpcError(grpc.StatusCode.DATA_LOSS, f"block stream cut short: {e}") from e
         return kvstore_pb2.PutResponse(blocks_stored=stored, blocks_present=present)
 
+    @contextlib.contextmanager
+    def expect(self, hashes: list[bytes]):
+        """Blocks a Put announced are in flight while it runs: a Pull of them meanwhile waits for
+        it (and fetches itself whatever the Put did not deliver) instead of fetching them twice."""
+        loop = asyncio.get_running_loop()
+        mine = {h: loop.create_future() for h in dict.fromkeys(hashes)
+                if h not in self.store and h not in self._inflight}
+        self._inflight.update(mine)
+        self._pushing.update(mine)
+        try:
+            yield
+        finally:
+            for h, f in mine.items():
+                if self._pushing.get(h) is f:  # (not delivered: a waiting Pull fetches it itself)
+                    self._landed(h, False)
+
+    def _landed(self, block_hash: bytes, ok: bool) -> None:
+        future = self._pushing.pop(block_hash, None)
+        if future is not None:
+            self._inflight.pop(block_hash, None)
+            future.set_result(ok)
+
     def put_frame(self, block_hash: bytes, frame) -> bool:
         """Verify and file one frame; a damaged or foreign one is refused (wire.FrameError:
         DATA_LOSS or INVALID_ARGUMENT), never stored."""
@@ -69,6 +93,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             return False
         view = file_frame(self.store, self._reserve, block_hash, frame)
         self.store.stats.bytes_put += len(view)
+        self._landed(block_hash, True)  # a Pull waiting for this announced block goes on now
         return True
 
     def _reserve(self, num_bytes: int) -> tuple[int, memoryview]:
