@@ -143,7 +143,7 @@ def full_config(model_path: Path) -> dict:
         "model": str(model_path),
         "router": {"listen": a(41000), "http": a(41001), "site": "west"},
         "placement": {"policy": "ember", "prefill_site": "central", "decode_site": "west", "session_affinity": True,
-                      "codec_saving": 0.2, "layer_overlap": 0.3, "decode_heavy_ratio": 2.0, "pool_slack_ms": 5,
+                      "codec_saving": 0.2, "decode_heavy_ratio": 2.0, "pool_slack_ms": 5,
                       "default_output_tokens": 100, "kv_bytes_per_token": 30000, "emulate_links": True},
         "sites": [{"name": "central", "tier": "central", "hardware": "big", "roles": ["prefill",
                    "kvstore"], "prefill": a(41010), "kvstore": a(41011), "kvstore_data": a(41012)},

@@ -104,7 +104,17 @@ def test_long_uncached_prompts_prefill_centrally_short_cached_turns_at_the_edge(
     placer = Placer(ClusterConfig.model_validate(three_sites()))
     first = placer.place(req(6000, session="s1"), Load())
     assert (first.prefill_site, first.decode_site) == ("central", "west")
-    assert first.estimate.link_s > 0.04 and first.estimate.kv_bytes == 6000 // 16 * 16 * 100_000
+    assert first.estimate.kv_bytes == 6000 // 16 * 16 * 100_000
+    # streamed (the default): the wire hides under the prefill; half the RTT and the last chunk trail
+    link = ClusterConfig.model_validate(three_sites()).link("central", "west")
+    assert first.estimate.link_s == pytest.approx(
+        link.rtt_ms / 2e3 + max(128 * 100_000, first.estimate.kv_bytes - first.estimate.prefill_s * link.bandwidth_gbps
+                                * 1e9 / 8) / (link.bandwidth_gbps * 1e9 / 8))
+    unstreamed = three_sites()
+    unstreamed["kvstore"] = {"stream_prefill": False}
+    pulled = Placer(ClusterConfig.model_validate(unstreamed)).place(req(6000, session="s1"), Load())
+    assert pulled.estimate.link_s == pytest.approx(link.rtt_ms / 1e3 + first.estimate.kv_bytes
+                                                   / (link.bandwidth_gbps * 1e9 / 8))
     # turn 2: the edge holds turn 1's blocks (KV moved there for decode); ~100 new tokens
     follow = placer.place(req(6200, cached={"west": 6100 // 16, "central": 6000 // 16}, session="s1"), Load())
     assert (follow.prefill_site, follow.decode_site) == ("west", "west") and "at the decode site" in follow.reason

@@ -174,8 +174,6 @@ class PlacementSection(Section):
                                        "unset: the planes codec's measured saving on each link where the "
                                        "kvstores use it (kvstore.codec planes, or auto on links below its "
                                        "break-even)")
-    layer_overlap: float = Field(0.0, ge=0, lt=1, description="fraction of a KV transfer hidden by layer-wise "
-                                                              "streaming")
     decode_heavy_ratio: float = Field(1.0, gt=0, description="expected output/input above this: a decode-heavy "
                                                              "request")
     pool_slack_ms: float = Field(10.0, ge=0, description="RTT a request gives up to land on a pool of its shape")
@@ -228,9 +226,10 @@ class KVStoreSection(Section):
                                  "what is missing, or fails the request")
     recompute_max_tokens: int | None = Field(None, gt=0, description="recompute at most this many prompt tokens "
                                                                      "after a failed transfer; unset: any")
-    stream_prefill: bool = Field(True, description="a remote prefill's blocks leave for the decode site's kvstore "
-                                                   "chunk by chunk while later chunks compute (its chunks halve so "
-                                                   "the last is small); off: they cross after prefill ends")
+    stream_prefill: bool = Field(True, description="a remote prefill across a link of the links table pushes its "
+                                                   "blocks to the decode site's kvstore chunk by chunk while later "
+                                                   "chunks compute (its last chunk is small); off, or sites without "
+                                                   "a link: decode pulls them after the prefill")
     max_lease_s: float = Field(30.0, gt=0, le=3600, description="longest lease a kvstore grants on blocks; a longer "
                                                                 "request is granted this (holders renew within "
                                                                 "it), so a dead holder's blocks free within it")

@@ -47,7 +47,7 @@ def topology(num_edges: int = 12, num_central: int = 3, edge_bandwidth_gbps: flo
         reach += [{"site": c, "rtt_ms": round(_rtt_ms(angle, a, base_ms=2.0) + 3, 1)} for c, a in centrals]
         regions.append({"name": f"users-{name}", "reach": reach})
     return {"router": {"listen": "127.0.0.1:50051"}, "sites": sites, "links": links, "regions": regions,
-            "hardware": PROFILES, "placement": {"policy": "ember", "codec_saving": 0.0, "layer_overlap": 0.5,
+            "hardware": PROFILES, "placement": {"policy": "ember", "codec_saving": 0.0,
                                                 "kv_bytes_per_token": 160 * 1024}}
 
 

@@ -13,8 +13,9 @@ from the placer's estimates (ember.placement.policy), which see only what a rout
   leaves at step S + n, whatever the batch does in between.
 - Links: one wire per direction; a transfer takes RTT + bytes / (bandwidth x what the kvstores'
   codec really saves there), in the first stretch of the wire left idle by the transfers
-  booked before it. Layer-wise streaming
-  (transfer overlapping prefill) is modelled only when the engine does it (`streams_layers`).
+  booked before it. With KV streaming (kvstore.stream_prefill: what the engine does by default)
+  the bytes leave as the prefill's chunks finish: only the last chunk's share (`tail_bytes`)
+  and whatever the link cannot keep up with trail the prefill.
 - Shared hosts: sites that name the same `host` share one machine (a one-host lab cluster);
   an engine there runs at 1/k of its speed while k engines of that host are busy (k taken
   when a prefill starts and at every decode batch change: a first-order processor share).
@@ -27,8 +28,6 @@ import math
 import random
 
 from ember.config.schema import HardwareProfile
-
-LAYERS = 32  # a streamed transfer's tail: the last layer's share of the bytes
 
 
 class Noise:
@@ -163,16 +162,23 @@ class Link:
         if i:
             del self.busy[:i]
 
-    def transfer(self, now: float, start: float, ready: float, nbytes: int, streams_layers: bool) -> float:
-        """When `nbytes` of KV, produced from `start` until `ready` (prefill; `ready` is also when
-        the decode side asks for them), have landed: a request leg, the wire time, the data leg
-        (one RTT in all). Without layer-wise streaming the bytes leave at `ready`; with it they
-        leave as the layers finish, so only the last layer's share and whatever the link cannot
-        keep up with trail `ready`."""
+    def transfer(self, now: float, start: float, ready: float, nbytes: int) -> float:
+        """When `nbytes` of KV, ready at `ready` (when the decode side asks for them: a pull), have
+        landed: a request leg, the wire time, the data leg (one RTT in all). `start` is unused
+        (the bytes leave at `ready`)."""
         if nbytes <= 0:
             return ready
         self.forget(now)
         wire = nbytes / self.bytes_per_s * self.noise()
-        begin = self._book(start if streams_layers else ready, wire)
-        end = max(begin + wire, ready + wire / LAYERS) if streams_layers else begin + wire
-        return end + self.rtt_s
+        return self._book(ready, wire) + wire + self.rtt_s
+
+    def stream(self, now: float, start: float, done: float, nbytes: int, tail_bytes: int) -> float:
+        """When a streamed prefill's KV (kvstore.stream_prefill) has landed: pushed as its chunks
+        finish from `start` until `done`, one way (half the RTT); only the last chunk's
+        `tail_bytes`, and whatever the link cannot keep up with, trail `done`."""
+        if nbytes <= 0:
+            return done
+        self.forget(now)
+        wire = nbytes / self.bytes_per_s * self.noise()
+        end = max(self._book(start, wire) + wire, done + wire * min(1.0, tail_bytes / nbytes))
+        return end + self.rtt_s / 2

@@ -5,7 +5,8 @@ room, spilling to the next nearest; session affinity keeps a conversation where 
 Prefill goes to the site that minimises
 
     queue(S) + prefill_time(uncached tokens at S) + link(S -> D)
-    link = RTT + new KV bytes / (bandwidth x 1/(1 - codec saving)), less layer-wise overlap
+    link = RTT + new KV bytes / (bandwidth x 1/(1 - codec saving)); streamed (kvstore.stream_prefill):
+           RTT/2 + the last chunk's bytes, or what the link cannot move during the prefill if more
 
 with the decode site itself a candidate (no link): short or mostly cached turns prefill at
 the edge, long uncached ones go central. Baselines for the simulator: `central` (prefill and
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 from ember.config.derived import kv_bytes_per_token, kv_element_bytes, link_codec_saving
 from ember.config.schema import ClusterConfig, HardwareProfile
+from ember.engine.scheduler import STREAM_TAIL_TOKENS  # (torch-free: the schedule streaming prices)
 
 
 @dataclass(frozen=True)
@@ -86,8 +88,11 @@ class Placer:
         # read once (settings are pydantic sections; the simulator places a million requests)
         self.kind, self.affinity_on = self.policy.policy, self.policy.session_affinity
         self.default_output, self.heavy_ratio = self.policy.default_output_tokens, self.policy.decode_heavy_ratio
-        self.slack_s, self.overlap = self.policy.pool_slack_ms / 1e3, self.policy.layer_overlap
+        self.slack_s = self.policy.pool_slack_ms / 1e3
         self.kv_bytes_per_token = kv_bytes_per_token(config)
+        # a streamed remote prefill (kvstore.stream_prefill) ships its KV while it computes: only its
+        # last chunk's (STREAM_TAIL_TOKENS), or what the link cannot keep up with, trails it
+        self.tail_bytes = STREAM_TAIL_TOKENS * self.kv_bytes_per_token if config.kvstore.stream_prefill else None
         self.block_size = config.engine.block_size
         self.profiles: dict[str, HardwareProfile] = {s.name: config.profile(s.name) for s in config.sites}
         self.capacity = {s.name: config.decode_capacity(s.name) for s in config.sites}
@@ -108,11 +113,10 @@ class Placer:
         self.feeders = {d: ([d] if d in self.prefill_sites else []) +
                         [p for p in self.prefill_sites if (p, d) in self.routes] for d in decode_sites}
         # the same, flattened for the hot loop: (site, prefill tok/s, context scale, rtt s, s per KV byte)
-        overlap = 1 - self.policy.layer_overlap
         self._feeder_terms = {
             d: [(p, self.profiles[p].prefill_tokens_per_s, self.profiles[p].prefill_context_tokens,
                  0.0 if p == d else self.routes[(p, d)].rtt_s,
-                 0.0 if p == d else overlap / self.routes[(p, d)].bytes_per_s) for p in feeders]
+                 0.0 if p == d else 1 / self.routes[(p, d)].bytes_per_s) for p in feeders]
             for d, feeders in self.feeders.items()}
         self.affinity: OrderedDict[str, str] = OrderedDict()  # session -> decode site, most recent last
 
@@ -158,10 +162,20 @@ class Placer:
         uncached = request.prompt_tokens - cached
         have_at_decode = request.cached_blocks.get(decode_site, 0)
         kv_bytes = max(0, request.prompt_tokens // bs - have_at_decode) * bs * self.kv_bytes_per_token
+        prefill_s = self.profiles[site].prefill_s(uncached, cached)
         link_s = 0.0 if site == decode_site else \
-            route.rtt_s + kv_bytes / route.bytes_per_s * (1 - self.overlap)
-        return Estimate(site, load.prefill_queue_s.get(site, 0.0), self.profiles[site].prefill_s(uncached, cached),
-                        link_s, uncached, 0 if site == decode_site else kv_bytes)
+            self.exposed_s(kv_bytes, 1 / route.bytes_per_s, prefill_s, route.rtt_s)
+        return Estimate(site, load.prefill_queue_s.get(site, 0.0), prefill_s, link_s, uncached,
+                        0 if site == decode_site else kv_bytes)
+
+    def exposed_s(self, kv_bytes: int, s_per_byte: float, prefill_s: float, rtt_s: float) -> float:
+        """How long after its prefill a request's KV is at the decode site: pulled once the first
+        token is back, an RTT and all of it; or, streamed (pushed as the chunks finish), half an RTT
+        and the last chunk's share or what the link could not move during the prefill, if longer."""
+        wire = kv_bytes * s_per_byte
+        if self.tail_bytes is None:
+            return rtt_s + wire
+        return rtt_s / 2 + max(min(kv_bytes, self.tail_bytes) * s_per_byte, wire - prefill_s)
 
     def _cheapest(self, decode_site: str, feeders: list[str], request: Request, load: Load) -> str | None:
         """The feeder with the lowest estimate(...).total_s: the same arithmetic, flattened
@@ -174,12 +188,13 @@ class Placer:
         for site, tps, context, rtt_s, s_per_byte in self._feeder_terms[decode_site]:
             if allowed is not None and site not in allowed:
                 continue
-            link = rtt_s + kv_bytes * s_per_byte if rtt_s or s_per_byte else 0.0
-            if link >= best:
+            if rtt_s >= best:
                 continue
             cached = min(cached_blocks.get(site, 0) * bs, prompt - 1)
             new = prompt - cached
-            total = queue(site, 0.0) + new / tps * (1 + (cached + new / 2) / context) + link
+            prefill = new / tps * (1 + (cached + new / 2) / context)
+            link = self.exposed_s(kv_bytes, s_per_byte, prefill, rtt_s) if rtt_s or s_per_byte else 0.0
+            total = queue(site, 0.0) + prefill + link
             if total < best:
                 best_site, best = site, total
         return best_site

@@ -8,8 +8,8 @@ Two sides, kept apart so that "the policy wins" is never true by construction:
 - the **hardware** (ember.placement.hardware) decides what everything really takes: FIFO
   prefill workers at the profile's speed with the site's actual cache, a continuous decode
   batch whose step time follows the batch, FIFO links at what the kvstores' codec really
-  saves, noise of the profile's `service_cv`, and layer-wise streaming only when the engine
-  does it (it does not yet: `streams_layers=False`).
+  saves, noise of the profile's `service_cv`, and KV streaming as the engine does it
+  (kvstore.stream_prefill: each chunk's KV leaves as it finishes; the last chunk's trails).
 
 The router sits at `router_site` when given (a lab cluster's one router), else at each
 request's decode site (an edge router near its users). TTFT = user RTT (with `user_rtt`) +
@@ -107,14 +107,15 @@ def _percentiles(values: np.ndarray) -> dict[str, float]:
 class Simulator:
     def __init__(self, config: ClusterConfig, policy: str | None = None, slo_ttft_s: float = 1.0,
                  slo_tpot_s: float = 0.05, kv_cache_tokens: int = 4_000_000, seed: int = 0,
-                 streams_layers: bool = False, user_rtt: bool = True, router_site: str | None = None):
+                 user_rtt: bool = True, router_site: str | None = None):
         if policy is not None:
             config = config.model_copy(update={"placement": config.placement.model_copy(update={"policy": policy})})
         self.config, self.policy = config, config.placement.policy
         self.placer = Placer(config)
         self.slo_ttft_s, self.slo_tpot_s = slo_ttft_s, slo_tpot_s
-        self.block_size, self.streams_layers = config.engine.block_size, streams_layers
+        self.block_size = config.engine.block_size
         self.kv_bytes_per_token = kv_bytes_per_token(config)
+        self.tail_bytes = self.placer.tail_bytes  # (None: the engine does not stream, kvstore.stream_prefill)
         rng = random.Random(seed)
         hosts = {s.host: SharedHost() for s in config.sites if s.host is not None}
         self.prefill = {s.name: PrefillWorkers(config.profile(s.name), len(s.prefill), rng, hosts.get(s.host))
@@ -201,7 +202,9 @@ class Simulator:
                 remote += 1
                 kv = max(0, r.prompt_tokens // bs - cached.get(decode, 0)) * bs * self.kv_bytes_per_token
                 link_bytes += kv
-                landed = self.links[(p, decode)].transfer(now, begin, asked, kv, self.streams_layers)
+                link = self.links[(p, decode)]
+                landed = link.transfer(now, begin, asked, kv) if self.tail_bytes is None else \
+                    max(asked, link.stream(now, begin, end, kv, self.tail_bytes))
             if r.output_tokens > 1:
                 self.decode[decode].join(landed, len(self.sequences), r.output_tokens - 1)
                 self.sequences.append((len(ttft) - 1, first_at - to_decode / 2, r.output_tokens - 1))

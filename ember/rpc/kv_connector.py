@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -31,7 +33,8 @@ from ember.rpc.server import channel
 from ember.rpc.site_kv import SiteKV
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 
-STREAM_TIMEOUT_S = 60.0  # a streamed chunk's pull at the decode site
+STREAM_TIMEOUT_S = 60.0  # a streamed chunk's push (or pull) at the decode site
+CONNECTOR_NICE = 5
 log = logging.getLogger("ember.kv_connector")
 
 
@@ -56,9 +59,16 @@ class KVConnector:
         self.blocks_streamed = self.streams_failed = 0
         self.mac_key = wire.check_mac_key(mac_key)
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kv-connector", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="kv-connector", daemon=True)
         self._thread.start()
         self._kv: SiteKV = self._submit(self._open(kvstore_address, use_shm, self.mac_key)).result(timeout=30)
+
+    def _run(self) -> None:
+        # below the engine's threads: a chunk's stream (signing, sending) takes the cores the prefill
+        # leaves, never the prefill's own (Linux: a thread's nice value is its own)
+        with contextlib.suppress(OSError, AttributeError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), CONNECTOR_NICE)
+        self._loop.run_forever()
 
     @staticmethod
     async def _open(address: str, use_shm: bool, mac_key: bytes | None) -> SiteKV:

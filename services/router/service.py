@@ -148,9 +148,14 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.load = Load()  # this router's view: prefill work in flight, decodes running, per site
         self.block_size, self.root_hash = block_size, root_hash
         self.directory, self.sites = directory, [s.name for s in placer.config.sites]
-        # where a remote prefill streams its KV: the decode site's kvstore (kvstore.stream_prefill)
-        self.stream_targets = {s.name: s.kvstore for s in placer.config.sites if s.has("kvstore")} \
-            if placer.config.kvstore.stream_prefill else {}
+        # where a remote prefill streams its KV (kvstore.stream_prefill): the decode site's kvstore, when
+        # the links table has a link between the two sites (a WAN: on one host the move is a memcpy
+        # away and streaming would only take the prefill's cores)
+        config = placer.config
+        stores = {s.name: s.kvstore for s in config.sites if s.has("kvstore")}
+        self.stream_targets = {(link.a, link.b): stores[link.b] for link in config.links if link.b in stores} | \
+            {(link.b, link.a): stores[link.a] for link in config.links if link.a in stores} \
+            if config.kvstore.stream_prefill else {}
         self._directory_retry_at = 0.0  # after a failure, skip the directory for a while
         self.max_text_bytes, self.text_cap_reason = text_cap(tokenizer, max_model_len, max_text_bytes)
 
@@ -347,8 +352,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             prefill_req = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=pb_params,
                                                      block_hashes=hashes, cache_salt=salt, shared_blocks=shared)
 
-            if placement.decode_site != placement.prefill_site:
-                prefill_req.stream_to = self.stream_targets.get(placement.decode_site, "")
+            prefill_req.stream_to = self.stream_targets.get((placement.prefill_site, placement.decode_site), "")
             pre = await self._prefill(prefill_req, placement, est.prefill_s, context)
             emitted: list[int] = []
             if pre is not None:
