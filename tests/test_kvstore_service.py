@@ -29,7 +29,7 @@ async def kvstore(num_blocks: int, codec_mode: str = "raw", max_lease_s: float =
     service = KVStoreService(store, f"127.0.0.1:{data.sockets[0].getsockname()[1]}", codec_mode)
     server = grpc.aio.server(interceptors=[ErrorInterceptor()])
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, server)
-    server.add_generic_rpc_handlers((bulk.handler(store.pinned, service.put_frame),))
+    server.add_generic_rpc_handlers((bulk.handler(store.pinned, service.put_frame, service.expect),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     address = f"127.0.0.1:{port}"
@@ -71,6 +71,36 @@ def test_concurrent_pulls_of_the_same_blocks_fetch_them_once():
             assert first.blocks_pulled + second.blocks_pulled == 6
             assert src.store.stats.blocks_served == 6, "each block crossed once"
             assert all(bytes(dst.store.get(h)) == f for h, f in blocks)
+    run(go())
+
+
+def test_a_pull_waits_for_an_announced_push_and_fetches_only_what_it_did_not_deliver():
+    """KV streaming's receiving end: a Put that announced its blocks makes a Pull of them wait for
+    each as it lands; cut short, the Pull fetches from the source what it never delivered."""
+    async def go():
+        async with kvstore(16) as (src, _, src_addr), kvstore(16) as (dst, dst_stub, dst_addr):
+            blocks = [frame(i) for i in range(4)]
+            for h, f in blocks:
+                src.store.put(h, f)
+            hashes = [h for h, _ in blocks]
+            stalled = asyncio.Event()
+
+            async def push():  # two blocks, then the stream stalls (a link that stopped)
+                for h, f in blocks[:2]:
+                    yield h + f
+                await stalled.wait()
+            async with grpc.aio.insecure_channel(dst_addr) as ch:
+                call = ch.stream_unary(bulk.PUT)(push(), metadata=((bulk.ANNOUNCE, b"".join(hashes)),))
+                await until(lambda st: st.blocks == 2, dst_stub, 10)
+                pull = asyncio.ensure_future(dst_stub.Pull(kvstore_pb2.PullRequest(block_hashes=hashes,
+                                                                                   source=src_addr)))
+                done, _ = await asyncio.wait([pull], timeout=0.3)
+                assert not done, "the pull waits for the announced blocks instead of fetching them"
+                call.cancel()  # the push dies with two blocks undelivered
+                response = await pull
+            assert response.blocks_pulled == 2 and src.store.stats.blocks_served == 2
+            assert all(bytes(dst.store.get(h)) == f for h, f in blocks)
+            assert not dst._inflight and not dst._pushing
     run(go())
 
 

@@ -21,6 +21,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -177,6 +178,16 @@ def replay(router: str, trace: list[traces.TraceRequest], vocab: int = 40000) ->
     return sorted(results, key=lambda x: x[0].t)
 
 
+@contextmanager
+def _cluster(data: dict):
+    """The cluster of config `data`, running from a temporary folder for the `with` block."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp)
+        (run_dir / "cluster.yaml").write_text(yaml.safe_dump(data))
+        with running(run_dir / "cluster.yaml", run_dir, timeout_s=400):
+            yield
+
+
 def main(args) -> int:
     threads = args.threads or 2
     progress("measuring this machine's hardware profile")
@@ -189,13 +200,10 @@ def main(args) -> int:
     trace = traces.agentic(regions, None, sessions_per_s=sessions_per_s, duration_s=duration, mean_turns=4,
                            system_tokens=(300, 900), max_context=2200, max_output=12, tool_scale=0.3, seed=5)
     progress(f"trace: {len(trace)} requests in {len({r.session for r in trace})} sessions")
-    with tempfile.TemporaryDirectory() as tmp:
-        run_dir = Path(tmp)
-        (run_dir / "cluster.yaml").write_text(yaml.safe_dump(data))
-        progress("starting the 3-site cluster behind emulated links, to measure its engines as served")
-        with running(run_dir / "cluster.yaml", run_dir, timeout_s=400):
-            hops = {link["a"]: link["rtt_ms"] / 1e3 for link in data["links"] if link["b"] == "west"}
-            served = measure_served_profile(data["router"]["listen"], hops)
+    progress("starting the 3-site cluster behind emulated links, to measure its engines as served")
+    with _cluster(data):
+        hops = {link["a"]: link["rtt_ms"] / 1e3 for link in data["links"] if link["b"] == "west"}
+        served = measure_served_profile(data["router"]["listen"], hops)
     progress(f"served profile: {served}")
     data["hardware"]["measured"] = served
     config = ClusterConfig.model_validate(data)
@@ -205,13 +213,10 @@ def main(args) -> int:
                                             f"them in the 3-site calibration cluster\n"
                                             f"{yaml.safe_dump(data, sort_keys=False)}")
         progress(f"wrote the measured profile into {args.write_profile}")
-    with tempfile.TemporaryDirectory() as tmp:
-        run_dir = Path(tmp)
-        (run_dir / "cluster.yaml").write_text(yaml.safe_dump(data))
-        progress("starting it again with that profile; replaying the trace in real time")
-        with running(run_dir / "cluster.yaml", run_dir, timeout_s=400):
-            _warm(data["router"]["listen"])
-            results = replay(data["router"]["listen"], trace)
+    progress("starting it again with that profile; replaying the trace in real time")
+    with _cluster(data):
+        _warm(data["router"]["listen"])
+        results = replay(data["router"]["listen"], trace)
     sent = [r for r, _ in results]
     # The router at west, measuring from its own receipt (the replaying client sits beside it).
     # The served profile already carries this rig's shared cores; the shared-host model (each

@@ -61,7 +61,7 @@ def sized(config: ClusterConfig, counts: Counts) -> ClusterConfig:
         for role in ROLES:
             n = counts.get((original.name, role), 0)
             if n:
-                site[role] = _addresses(getattr(original, role), n, taken)
+                site[role] = _addresses(original.workers(role), n, taken)
         n, configured = counts.get((original.name, "decode"), 0), len(original.decode)
         if n and n != configured:  # the site's decode capacity scales with its workers
             site["capacity"] = math.ceil(config.decode_capacity(original.name) * n / max(1, configured))
@@ -69,7 +69,7 @@ def sized(config: ClusterConfig, counts: Counts) -> ClusterConfig:
 
 
 def current(config: ClusterConfig) -> Counts:
-    return {(s.name, role): len(getattr(s, role)) for s in config.sites for role in ROLES if s.has(role)}
+    return {(s.name, role): len(s.workers(role)) for s in config.sites for role in ROLES if s.has(role)}
 
 
 class Planner:
@@ -86,6 +86,10 @@ class Planner:
     def meets(self, report: Report) -> bool:
         return report.slo_attainment >= self.share
 
+    def _one_fewer(self, counts: Counts, key: tuple[str, str]) -> tuple[Counts, Report]:
+        fewer = {**counts, key: counts[key] - 1}
+        return fewer, self.simulate(fewer)
+
     def plan(self) -> Plan:
         counts = current(self.config)
         report = self.simulate(counts)
@@ -98,8 +102,7 @@ class Planner:
         missed: set[tuple[str, str]] = set()  # workers whose removal missed the SLO share (since re-checked)
         while True:  # 2. shrink, the biggest counts first
             for key in sorted((k for k, n in counts.items() if n > 1 and k not in missed), key=lambda k: -counts[k]):
-                fewer = {**counts, key: counts[key] - 1}
-                attempt = self.simulate(fewer)
+                fewer, attempt = self._one_fewer(counts, key)
                 if self.meets(attempt):
                     counts, report = fewer, attempt
                     break
@@ -107,9 +110,9 @@ class Planner:
             else:  # none could go: check each against the final deployment (a miss earlier may hold now)
                 smaller = []
                 for key in sorted(k for k, n in counts.items() if n > 1):
-                    attempt = self.simulate({**counts, key: counts[key] - 1})
+                    fewer, attempt = self._one_fewer(counts, key)
                     if self.meets(attempt):
-                        counts, report, missed = {**counts, key: counts[key] - 1}, attempt, set()
+                        counts, report, missed = fewer, attempt, set()
                         break
                     smaller.append((key, attempt.slo_attainment))
                 else:
