@@ -104,6 +104,37 @@ def test_a_pull_waits_for_an_announced_push_and_fetches_only_what_it_did_not_del
     run(go())
 
 
+def test_a_waiting_pull_that_gives_up_leaves_the_push_it_waited_on_intact():
+    """A Pull waiting on an announced push whose caller goes away (its deadline) must not cancel
+    what others share: the push still files every block, and the next Pull finds them."""
+    async def go():
+        async with kvstore(16) as (src, _, src_addr), kvstore(16) as (dst, dst_stub, dst_addr):
+            blocks = [frame(i) for i in range(3)]
+            for h, f in blocks:
+                src.store.put(h, f)
+            hashes = [h for h, _ in blocks]
+            go_on = asyncio.Event()
+
+            async def push():
+                yield blocks[0][0] + blocks[0][1]
+                await go_on.wait()
+                for h, f in blocks[1:]:
+                    yield h + f
+            async with grpc.aio.insecure_channel(dst_addr) as ch:
+                call = ch.stream_unary(bulk.PUT)(push(), metadata=((bulk.ANNOUNCE, b"".join(hashes)),))
+                await until(lambda st: st.blocks == 1, dst_stub, 10)
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await dst_stub.Pull(kvstore_pb2.PullRequest(block_hashes=hashes, source=src_addr), timeout=0.3)
+                assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                go_on.set()
+                stored, present = bulk._COUNTS.unpack(await call)
+            assert (stored, present) == (3, 0)
+            response = await dst_stub.Pull(kvstore_pb2.PullRequest(block_hashes=hashes, source=src_addr))
+            assert response.blocks_pulled == 0 and src.store.stats.blocks_served == 0
+            assert not dst._inflight and not dst._pushing
+    run(go())
+
+
 def test_a_pull_beyond_capacity_is_resource_exhausted_and_writes_no_partial_block():
     async def go():
         async with kvstore(8) as (src, _, src_addr), kvstore(2) as (dst, dst_stub, _):

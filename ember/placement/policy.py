@@ -106,7 +106,9 @@ class Placer:
         self.routes: dict[tuple[str, str], _Route] = {}
         width = kv_element_bytes(config)
         for link in config.links:  # a link's KV bytes shrink by what the codec saves where it is used there
-            ratio = 1 / (1 - link_codec_saving(config, link.bandwidth_gbps, width))
+            # (a streamed push crosses raw: the kvstores' codec applies to pulls)
+            ratio = 1.0 if self.tail_bytes is not None else 1 / (1 - link_codec_saving(config, link.bandwidth_gbps,
+                                                                                        width))
             route = _Route(link.rtt_ms / 1e3, link.bandwidth_gbps * 1e9 / 8 * ratio)
             self.routes[(link.a, link.b)] = self.routes[(link.b, link.a)] = route
         # per decode site: prefill candidates that can ship KV to it (itself first, if it prefills)
@@ -185,10 +187,11 @@ class Placer:
         queue = load.prefill_queue_s.get
         best_site, best = None, float("inf")
         allowed = set(feeders) if len(feeders) != len(self.feeders[decode_site]) else None
+        floor = 1.0 if self.tail_bytes is None else 0.5  # streamed: half an RTT at least
         for site, tps, context, rtt_s, s_per_byte in self._feeder_terms[decode_site]:
             if allowed is not None and site not in allowed:
                 continue
-            if rtt_s >= best:
+            if rtt_s * floor >= best:  # (a link costs at least this)
                 continue
             cached = min(cached_blocks.get(site, 0) * bs, prompt - 1)
             new = prompt - cached

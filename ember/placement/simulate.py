@@ -125,7 +125,9 @@ class Simulator:
         width = kv_element_bytes(config)
         self.links: dict[tuple[str, str], Link] = {}
         for link in config.links:
-            speed = link.bandwidth_gbps * 1e9 / 8 / (1 - kvstore_codec_saving(config, link.bandwidth_gbps, width))
+            # a streamed push crosses raw (the kvstores' codec applies to pulls)
+            saving = 0.0 if config.kvstore.stream_prefill else kvstore_codec_saving(config, link.bandwidth_gbps, width)
+            speed = link.bandwidth_gbps * 1e9 / 8 / (1 - saving)
             cv = config.profile(link.a).service_cv
             self.links[(link.a, link.b)] = Link(link.rtt_ms / 1e3, speed, cv, rng)
             self.links[(link.b, link.a)] = Link(link.rtt_ms / 1e3, speed, cv, rng)

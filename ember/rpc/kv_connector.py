@@ -138,34 +138,36 @@ class KVConnector:
         return self._submit(bulk.put(self._kv.channel, frames, timeout=timeout), trace_context)
 
     def stream(self, frames: list[tuple[bytes, bytes]], to: str, prefetch: list[bytes] = (),
+               after: list[concurrent.futures.Future] = (),
                trace_context: dict[str, str] | None = None) -> concurrent.futures.Future:
-        """Layer-wise streaming at chunk grain: a prefill chunk's new blocks (`frames`) are pushed to
-        `to` (the decode site's kvstore; announced up front, so a pull of them there waits for them)
-        while they are stored in the site store; the `prefetch` blocks, which the site store already
-        holds, are pulled there. The future gives the site store's (stored, already there); what
-        goes to `to` runs on in the background (a failure is counted, never raised: decode pulls, or
+        """Layer-wise streaming at chunk grain: a prefill chunk's new blocks (`frames`, raw; signed
+        here, on the connector's thread) are pushed to `to` (the decode site's kvstore; announced
+        up front, so a pull of them there waits for them) while they are stored in the site store;
+        the `prefetch` blocks, which the site store holds, are pulled there. The future gives the
+        site store's (stored, already there), summed with the `after` streams' (earlier chunks
+        still being stored: it resolves once they have, and fails if one did); what goes to `to`
+        runs on in the background (a failure is counted, never raised: decode pulls, or
         recomputes, what did not arrive)."""
-        if self.mac_key is not None:
-            key = self.mac_key
-            frames = [(h, wire.sign_frame(frame, key)) for h, frame in frames]
         hashes = [h for h, _ in frames]
-        if hashes:  # the push leaves first: its announcement must reach `to` before decode's pull can
-            self._background(lambda: self._send_on(to, self._push(to, frames, hashes), len(hashes)), trace_context)
-        if prefetch:
-            self._background(lambda: self._send_on(to, self._pull_there(to, list(prefetch)), len(prefetch)),
-                             trace_context)
 
         async def run() -> tuple[int, int]:
-            return await bulk.put(self._kv.channel, frames, timeout=60.0) if frames else (0, 0)
+            signed = frames if self.mac_key is None else [(h, wire.sign_frame(f, self.mac_key)) for h, f in frames]
+            if hashes:  # the push leaves first: its announcement must reach `to` before decode's pull can
+                self._track(self._send_on(to, self._push(to, signed, hashes), len(hashes)))
+            if prefetch:
+                self._track(self._send_on(to, self._pull_there(to, list(prefetch)), len(prefetch)))
+            stored, present = await bulk.put(self._kv.channel, signed, timeout=60.0) if signed else (0, 0)
+            for earlier in after:
+                more = await asyncio.wrap_future(earlier)
+                stored, present = stored + more[0], present + more[1]
+            return stored, present
         return self._submit(run(), trace_context)
 
-    def _background(self, make, trace_context) -> None:
-        """Run make()'s coroutine on the connector's loop, tracked (closing cancels it)."""
-        async def start():
-            task = asyncio.get_running_loop().create_task(make())
-            self._streaming.add(task)
-            task.add_done_callback(self._streaming.discard)
-        self._submit(start(), trace_context)
+    def _track(self, coro) -> None:
+        """Run `coro` on the connector's loop in the background (closing cancels it)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._streaming.add(task)
+        task.add_done_callback(self._streaming.discard)
 
     def _peer(self, to: str) -> grpc.aio.Channel:
         if to not in self._peers:
@@ -183,10 +185,10 @@ class KVConnector:
         try:
             await moving
             self.blocks_streamed += count
-        except grpc.aio.AioRpcError as e:
+        except Exception as e:  # noqa: BLE001  (counted and logged: decode pulls or recomputes what is missing)
             self.streams_failed += 1
-            log.info("streaming %d blocks to %s failed (decode pulls or recomputes them): %s %s", count, to,
-                     e.code().name, e.details())
+            why = f"{e.code().name} {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else repr(e)
+            log.info("streaming %d blocks to %s failed (decode pulls or recomputes them): %s", count, to, why)
 
     def close(self) -> None:
         async def shut():
@@ -194,6 +196,8 @@ class KVConnector:
                 await self._kv.release(lease_id, check=False)
             for task in list(self._streaming):
                 task.cancel()
+            for peer in self._peers.values():
+                await peer.close()
             await self._kv.channel.close()
         try:
             self._submit(shut()).result(timeout=5)

@@ -53,6 +53,7 @@ class _Live:
     l2_lookup: concurrent.futures.Future | None = None
     first_sent: bool = False
     hashes: list[bytes] = field(default_factory=list)  # its prompt's full blocks
+    in_store: set[bytes] = field(default_factory=set)  # of those, read from the site store (it holds them)
     streamed: int = 0  # leading full blocks sent on to its plan's stream_to so far
     stream_stores: list[tuple[concurrent.futures.Future, list[bytes]]] = field(default_factory=list)
 
@@ -257,10 +258,11 @@ class EngineCore:
             self._release_pins(held)
             return [_error(rid, exc)]
         self.releases.append((rid, self.connector.release(loaded.lease_id)))
-        return self._admit(request, held, kv, pending.hashes, pending.l2_lookup)
+        return self._admit(request, held, kv, pending.hashes, pending.l2_lookup, in_store=set(loaded.payloads))
 
     def _admit(self, request: AddRequest, pins: list[int], kv: KVStats, hashes: list[bytes] = (),
-               l2_lookup: concurrent.futures.Future | None = None) -> list[tuple]:
+               l2_lookup: concurrent.futures.Future | None = None, in_store: set[bytes] = frozenset()
+               ) -> list[tuple]:
         try:
             self.engine.add_request(request.prompt_token_ids, request.params, request.request_id,
                                     output_prefix=request.output_prefix, check_queue=False,
@@ -270,7 +272,7 @@ class EngineCore:
             self._release_pins(pins)
             return [_error(request.request_id, e)]
         self.live[request.request_id] = _Live(request, pins, kv, list(hashes[:kv.blocks_l1]), l2_lookup,
-                                              hashes=list(hashes))
+                                              hashes=list(hashes), in_store=set(in_store))
         return []
 
     def _on_output(self, out: RequestOutput) -> list[tuple]:
@@ -296,24 +298,35 @@ class EngineCore:
             done = live.l2_lookup.done() and live.l2_lookup.exception() is None
             present = live.l2_lookup.result() if done else [False] * len(live.l1_hashes)
             wanted = [h for h, p in zip(live.l1_hashes, present) if not p] + wanted
-        streamed = [(f.result()[0], hashes) for f, hashes in live.stream_stores if f.done() and f.exception() is None]
-        stored = {h for _, hashes in streamed for h in hashes}
+        # streamed chunks: stored already, or still being stored (the write-back waits for those);
+        # only a failed one's blocks go again
+        ok = [(f, hashes) for f, hashes in live.stream_stores if not f.done() or f.exception() is None]
+        covered = {h for _, hashes in ok for h in hashes}
         frames = []
-        for h in dict.fromkeys(h for h in wanted if h not in stored):  # (streamed chunks are in the store)
+        for h in dict.fromkeys(h for h in wanted if h not in covered):
             if h in self.engine.block_manager.cached:
                 frames.extend(zip([h], self.engine.export_frames([h])))
         out.kv = out.kv or KVStats()
-        out.kv.blocks_stored = sum(n for n, _ in streamed)
+        out.kv.blocks_stored = sum(f.result()[0] for f, _ in ok if f.done())
         self.tiers.blocks_written_back += out.kv.blocks_stored
-        if not frames:
+        pending = [f for f, _ in ok if not f.done()]
+        if not frames and not pending:
             return [("out", out)]
         sync = plan.write_back == "sync"
         trace = live.request.trace_context
         # a streaming request's last chunk leaves for the decode site as soon as it is stored, too
-        store = self.connector.stream(frames, plan.stream_to, trace_context=trace) if self._streams(live.request) \
-            else self.connector.store(frames, trace_context=trace)
+        store = self.connector.stream(frames, plan.stream_to, after=pending, trace_context=trace) \
+            if self._streams(live.request) else self.connector.store(frames, trace_context=trace)
         self.stores.append((store, out if sync else None, plan.on_kv_failure == "fail"))
         return [] if sync else [("out", out)]
+
+    @staticmethod
+    def _present_in_store(live: _Live) -> set[bytes]:
+        """Pool hits the site store holds too, as far as its lookup has answered."""
+        lookup = live.l2_lookup
+        if lookup is None or not lookup.done() or lookup.exception() is not None:
+            return set()
+        return {h for h, present in zip(live.l1_hashes, lookup.result()) if present}
 
     def _streams(self, request: AddRequest) -> bool:
         return bool(request.plan is not None and request.plan.stream_to and self.connector is not None)
@@ -331,7 +344,8 @@ class EngineCore:
             if full <= live.streamed:
                 continue
             computed_from = max(live.streamed, seq.num_cached_tokens // bs)
-            prefetch = live.hashes[live.streamed:computed_from]
+            prefetch = [h for h in live.hashes[live.streamed:computed_from] if h in live.in_store or
+                        h in self._present_in_store(live)]
             fresh = [h for h in live.hashes[computed_from:full] if h in cached]
             frames = list(zip(fresh, self.engine.export_frames(fresh)))
             future = self.connector.stream(frames, live.request.plan.stream_to, prefetch,

@@ -23,6 +23,8 @@ from ember.services.kvstore.pull import PeerFetcher, file_frame
 from ember.services.kvstore.store import BlockStore, LeaseError
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 
+MAX_ANNOUNCED = 4096  # hashes one Put may announce (more are simply not awaited)
+WAIT_FOR_OTHERS_S = 10.0  # the longest a pull waits on another's transfer before fetching itself
 
 class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: BlockStore, data_address: str = "", codec_mode: str = "auto",
@@ -38,6 +40,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         self.wire_bytes_pulled = 0
         self._inflight: dict[bytes, asyncio.Future] = {}  # one fetch per block at a time
         self._pushing: dict[bytes, asyncio.Future] = {}  # of those, blocks an announced Put is bringing
+        self._pulling: dict[bytes, asyncio.Future] = {}  # of those, blocks a pull of this store is fetching
 
     async def Lookup(self, request, context):
         present = [h in self.store for h in validate.block_hashes(request.block_hashes)]
@@ -68,7 +71,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         """Blocks a Put announced are in flight while it runs: a Pull of them meanwhile waits for
         it (and fetches itself whatever the Put did not deliver) instead of fetching them twice."""
         loop = asyncio.get_running_loop()
-        mine = {h: loop.create_future() for h in dict.fromkeys(hashes)
+        mine = {h: loop.create_future() for h in list(dict.fromkeys(hashes))[:MAX_ANNOUNCED]
                 if h not in self.store and h not in self._inflight}
         self._inflight.update(mine)
         self._pushing.update(mine)
@@ -82,14 +85,17 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
     def _landed(self, block_hash: bytes, ok: bool) -> None:
         future = self._pushing.pop(block_hash, None)
         if future is not None:
-            self._inflight.pop(block_hash, None)
-            future.set_result(ok)
+            if self._inflight.get(block_hash) is future:
+                del self._inflight[block_hash]
+            if not future.done():
+                future.set_result(ok)
 
     def put_frame(self, block_hash: bytes, frame) -> bool:
         """Verify and file one frame; a damaged or foreign one is refused (wire.FrameError:
         DATA_LOSS or INVALID_ARGUMENT), never stored."""
         if block_hash in self.store:
             self.store.get(block_hash)
+            self._landed(block_hash, True)
             return False
         view = file_frame(self.store, self._reserve, block_hash, frame)
         self.store.stats.bytes_put += len(view)
@@ -155,10 +161,10 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             codec_name = codec.NAMES[codec_id]
             pulled_blocks, pulled_bytes, wire_bytes = await self._pull(request.source, missing, lease,
                                                                        remaining(context), codec_id)
-        if waiting and not all(await asyncio.gather(*waiting)):
-            # a concurrent pull of some of these blocks failed (a stream cut short, its deadline):
-            # this pull fetches what is still missing itself, once
-            again = [h for h in hashes if h not in self.store and h not in missing]
+        if waiting and not await self._others_delivered(waiting, remaining(context)):
+            # a concurrent pull or announced push of some of these blocks failed (a stream cut
+            # short, its deadline) or is taking too long: this pull fetches what is missing itself
+            again = [h for h in hashes if h not in self.store and h not in missing and h not in self._pulling]
             if again:
                 if not request.source:
                     raise RpcError(grpc.StatusCode.UNAVAILABLE, "a concurrent pull of the same blocks failed")
@@ -175,11 +181,20 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
                                         blocks_present=len(hashes) - pulled_blocks, wire_bytes=wire_bytes,
                                         codec=codec_name, seconds=time.perf_counter() - start)
 
+    async def _others_delivered(self, waiting: list[asyncio.Future], timeout: float | None) -> bool:
+        """Whether the pulls and announced pushes this pull waits on delivered every block, within
+        WAIT_FOR_OTHERS_S (an announcing Put that never sends must not hold a pull longer). Shielded:
+        this pull's cancellation (its caller gone) never cancels the futures others share."""
+        limit = WAIT_FOR_OTHERS_S if timeout is None else min(timeout, WAIT_FOR_OTHERS_S)
+        done, _ = await asyncio.wait([asyncio.shield(f) for f in waiting], timeout=limit)
+        return len(done) == len(waiting) and all(not f.cancelled() and f.result() for f in done)
+
     async def _pull(self, source: str, missing: list[bytes], lease, timeout: float | None,
                     codec_id: int) -> tuple[int, int, int]:
         loop = asyncio.get_running_loop()
-        futures = {h: loop.create_future() for h in missing}
+        futures = {h: loop.create_future() for h in missing if h not in self._pulling}
         self._inflight.update(futures)
+        self._pulling.update(futures)
         blocks = raw_bytes = wire_bytes = 0
 
         def on_wire(n: int) -> None:
@@ -192,10 +207,16 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
                 raw_bytes += len(frame)
                 if lease is not None:
                     self.store.add_to_lease(lease.lease_id, block_hash)
-                futures[block_hash].set_result(True)
+                self._landed(block_hash, True)  # (a push announced it too: its waiters go on)
+                f = futures.get(block_hash)
+                if f is not None and not f.done():
+                    f.set_result(True)
         finally:
             for h, f in futures.items():
-                self._inflight.pop(h, None)
+                if self._inflight.get(h) is f:
+                    del self._inflight[h]
+                if self._pulling.get(h) is f:
+                    del self._pulling[h]
                 if not f.done():
                     f.set_result(False)
             self.store.stats.blocks_pulled += blocks
