@@ -211,6 +211,9 @@ def test_every_documented_key_is_read_by_a_service(tmp_path, model_path):
             for output in (0, 10, 10_000):  # the default, a prefill-heavy and a decode-heavy shape
                 placer.place(Request(3000, output, "users-west", {"central": 20}, f"s{output}"), Load())
                 placer.place(Request(3000, output, None, {}, ""), Load())
+        # unstreamed (kvstore.stream_prefill off), remote KV is pulled, and the codec prices the links
+        pulled = config.model_copy(update={"kvstore": config.kvstore.model_copy(update={"stream_prefill": False})})
+        Placer(pulled).place(Request(3000, 10, "users-west", {}, "p"), Load())
         trace = agentic(["users-west"], [1.0], sessions_per_s=1.0, duration_s=20, seed=1)
         Simulator(config, "ember").run(trace)  # `ember simulate`: the profiles' decode speeds
     unread = sorted(schema_fields() - reads)

@@ -43,11 +43,13 @@ def test_each_kvstore_knows_its_configured_links_to_its_peers():
 @pytest.mark.parametrize("mode, gbps, expected", [("auto", 1.0, codec.SAVING[2]), ("auto", 10.0, 0.0),
                                                   ("planes", 10.0, codec.SAVING[2]), ("raw", 1.0, 0.0)])
 def test_the_placer_prices_a_link_with_the_codec_the_kvstores_use_on_it(mode, gbps, expected):
-    config = _config(gbps, codec=mode)
+    config = _config(gbps, codec=mode, stream_prefill=False)  # remote KV pulled after the prefill
     assert link_codec_saving(config, gbps, 2) == expected
     placer = Placer(config)
     slow = placer.routes[("central", "west")]
     assert slow.bytes_per_s == pytest.approx(gbps * 1e9 / 8 / (1 - expected))
+    streamed = Placer(_config(gbps, codec=mode))  # (the default) a streamed push crosses raw
+    assert streamed.routes[("central", "west")].bytes_per_s == pytest.approx(gbps * 1e9 / 8)
     pinned = _config(gbps, codec=mode).model_copy(
         update={"placement": config.placement.model_copy(update={"codec_saving": 0.1})})
     assert link_codec_saving(pinned, gbps, 2) == 0.1  # an explicit placement.codec_saving wins
