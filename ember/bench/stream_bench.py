@@ -38,8 +38,9 @@ def _config(run_dir: Path, stream: bool, model: str | None) -> Path:
 
 def _prompts(config_path: Path, count: int, first: int) -> list[list[int]]:
     from ember.config.load import load_config
-    from ember.services.common import tokenizer
-    tok = tokenizer(load_config(config_path))
+    from ember.model.files import model_folder
+    from ember.model.tokenizer import Tokenizer
+    tok = Tokenizer.from_folder(model_folder(load_config(config_path).model_path()))
     body = english_prompt(80)
     out = []
     for i in range(first, first + count):
