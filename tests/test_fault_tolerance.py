@@ -194,7 +194,10 @@ def test_past_the_admission_limit_requests_are_refused_at_once_with_pushback(ha,
     refused = [r for r in results if r[0] == grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert len(accepted) + len(refused) == 20 and len(accepted) >= 4 and len(refused) >= 10
     assert all(r[1] == reference for r in accepted), "every accepted stream is correct"
-    assert all(r[2] < 0.5 and r[3] == "1000" for r in refused), [(r[2], r[3]) for r in refused]
+    # at once: a refusal never waits for a slot, which would take at least the shortest accepted
+    # stream (a fixed 0.5 s bound failed on a loaded CI host at 0.52 s, the router's loop sharing 2 cores)
+    at_once = min(0.5 * min(r[2] for r in accepted), 2.0)
+    assert all(r[2] < at_once and r[3] == "1000" for r in refused), (at_once, [(r[2], r[3]) for r in refused])
 
 
 def test_prefill_fails_over_to_the_other_worker_then_to_the_decode_site(ha, engine):
