@@ -38,9 +38,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         self.peers = peers
         self.fetcher = PeerFetcher(store, codec_mode, routes, tls, link_GBps)
         self.wire_bytes_pulled = 0
-        self._inflight: dict[bytes, asyncio.Future] = {}  # one fetch per block at a time
-        self._pushing: dict[bytes, asyncio.Future] = {}  # of those, blocks an announced Put is bringing
-        self._pulling: dict[bytes, asyncio.Future] = {}  # of those, blocks a pull of this store is fetching
+        # blocks on their way here, one transfer each: fetched by a pull, or brought by an announced Put
+        self._pulling: dict[bytes, asyncio.Future] = {}
+        self._pushing: dict[bytes, asyncio.Future] = {}
 
     async def Lookup(self, request, context):
         present = [h in self.store for h in validate.block_hashes(request.block_hashes)]
@@ -72,8 +72,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         it (and fetches itself whatever the Put did not deliver) instead of fetching them twice."""
         loop = asyncio.get_running_loop()
         mine = {h: loop.create_future() for h in list(dict.fromkeys(hashes))[:MAX_ANNOUNCED]
-                if h not in self.store and h not in self._inflight}
-        self._inflight.update(mine)
+                if h not in self.store and self._arriving(h) is None}
         self._pushing.update(mine)
         try:
             yield
@@ -82,11 +81,13 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
                 if self._pushing.get(h) is f:  # (not delivered: a waiting Pull fetches it itself)
                     self._landed(h, False)
 
+    def _arriving(self, block_hash: bytes) -> asyncio.Future | None:
+        """The transfer bringing this block here now (a pull's or an announced Put's), if any."""
+        return self._pulling.get(block_hash) or self._pushing.get(block_hash)
+
     def _landed(self, block_hash: bytes, ok: bool) -> None:
         future = self._pushing.pop(block_hash, None)
         if future is not None:
-            if self._inflight.get(block_hash) is future:
-                del self._inflight[block_hash]
             if not future.done():
                 future.set_result(ok)
 
@@ -150,8 +151,9 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
 
     async def _pull_blocks(self, request, hashes: list[bytes], lease, context) -> kvstore_pb2.PullResponse:
         start = time.perf_counter()
-        missing = [h for h in hashes if h not in self.store and h not in self._inflight]
-        waiting = [self._inflight[h] for h in hashes if h in self._inflight]
+        arriving = {h: f for h in hashes if (f := self._arriving(h)) is not None}
+        missing = [h for h in hashes if h not in self.store and h not in arriving]
+        waiting = list(arriving.values())
         pulled_blocks = pulled_bytes = wire_bytes = 0
         codec_name = "raw"
         if missing:
@@ -193,7 +195,6 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
                     codec_id: int) -> tuple[int, int, int]:
         loop = asyncio.get_running_loop()
         futures = {h: loop.create_future() for h in missing if h not in self._pulling}
-        self._inflight.update(futures)
         self._pulling.update(futures)
         blocks = raw_bytes = wire_bytes = 0
 
@@ -213,8 +214,6 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
                     f.set_result(True)
         finally:
             for h, f in futures.items():
-                if self._inflight.get(h) is f:
-                    del self._inflight[h]
                 if self._pulling.get(h) is f:
                     del self._pulling[h]
                 if not f.done():
