@@ -55,6 +55,14 @@ async def until(condition, stub, deadline_s: float) -> kvstore_pb2.StatsResponse
     return stats
 
 
+def seeded(store: BlockStore, n: int) -> list[tuple[bytes, bytes]]:
+    """n test frames (hash, frame), put in `store`."""
+    blocks = [frame(i) for i in range(n)]
+    for h, f in blocks:
+        store.put(h, f)
+    return blocks
+
+
 def put_request(blocks):
     return (kvstore_pb2.BlockChunk(block_hash=h, block_bytes=n, offset=o, data=d) for h, n, o, d in split(blocks))
 
@@ -62,9 +70,7 @@ def put_request(blocks):
 def test_concurrent_pulls_of_the_same_blocks_fetch_them_once():
     async def go():
         async with kvstore(16) as (src, _, src_addr), kvstore(16) as (dst, dst_stub, _):
-            blocks = [frame(i) for i in range(6)]
-            for h, f in blocks:
-                src.store.put(h, f)
+            blocks = seeded(src.store, 6)
             hashes = [h for h, _ in blocks]
             request = kvstore_pb2.PullRequest(block_hashes=hashes, source=src_addr)
             first, second = await asyncio.gather(dst_stub.Pull(request), dst_stub.Pull(request))
@@ -79,9 +85,7 @@ def test_a_pull_waits_for_an_announced_push_and_fetches_only_what_it_did_not_del
     each as it lands; cut short, the Pull fetches from the source what it never delivered."""
     async def go():
         async with kvstore(16) as (src, _, src_addr), kvstore(16) as (dst, dst_stub, dst_addr):
-            blocks = [frame(i) for i in range(4)]
-            for h, f in blocks:
-                src.store.put(h, f)
+            blocks = seeded(src.store, 4)
             hashes = [h for h, _ in blocks]
             stalled = asyncio.Event()
 
@@ -100,7 +104,7 @@ def test_a_pull_waits_for_an_announced_push_and_fetches_only_what_it_did_not_del
                 response = await pull
             assert response.blocks_pulled == 2 and src.store.stats.blocks_served == 2
             assert all(bytes(dst.store.get(h)) == f for h, f in blocks)
-            assert not dst._inflight and not dst._pushing
+            assert not dst._pulling and not dst._pushing
     run(go())
 
 
@@ -109,9 +113,7 @@ def test_a_waiting_pull_that_gives_up_leaves_the_push_it_waited_on_intact():
     what others share: the push still files every block, and the next Pull finds them."""
     async def go():
         async with kvstore(16) as (src, _, src_addr), kvstore(16) as (dst, dst_stub, dst_addr):
-            blocks = [frame(i) for i in range(3)]
-            for h, f in blocks:
-                src.store.put(h, f)
+            blocks = seeded(src.store, 3)
             hashes = [h for h, _ in blocks]
             go_on = asyncio.Event()
 
@@ -131,16 +133,14 @@ def test_a_waiting_pull_that_gives_up_leaves_the_push_it_waited_on_intact():
             assert (stored, present) == (3, 0)
             response = await dst_stub.Pull(kvstore_pb2.PullRequest(block_hashes=hashes, source=src_addr))
             assert response.blocks_pulled == 0 and src.store.stats.blocks_served == 0
-            assert not dst._inflight and not dst._pushing
+            assert not dst._pulling and not dst._pushing
     run(go())
 
 
 def test_a_pull_beyond_capacity_is_resource_exhausted_and_writes_no_partial_block():
     async def go():
         async with kvstore(8) as (src, _, src_addr), kvstore(2) as (dst, dst_stub, _):
-            blocks = [frame(i) for i in range(3)]
-            for h, f in blocks:
-                src.store.put(h, f)
+            blocks = seeded(src.store, 3)
             request = kvstore_pb2.PullRequest(block_hashes=[h for h, _ in blocks], source=src_addr, lease_s=30)
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await dst_stub.Pull(request)  # the lease pins what landed, so the third cannot evict
@@ -237,9 +237,7 @@ def test_lease_s_is_bounded_by_the_store_and_nonsense_is_invalid_argument():
 def test_planes_codec_pull_crosses_fewer_bytes_and_stores_exact_frames():
     async def go():
         async with kvstore(8) as (src, _, src_addr), kvstore(8, codec_mode="planes") as (dst, dst_stub, _):
-            blocks = [frame(i) for i in range(4)]
-            for h, f in blocks:
-                src.store.put(h, f)
+            blocks = seeded(src.store, 4)
             pulled = await dst_stub.Pull(kvstore_pb2.PullRequest(block_hashes=[h for h, _ in blocks], source=src_addr))
             assert pulled.codec == "planes" and pulled.bytes_pulled == 4 * SIZE
             assert pulled.wire_bytes < 0.8 * pulled.bytes_pulled
@@ -256,9 +254,7 @@ def test_auto_codec_is_priced_by_the_configured_link_then_by_measurement():
 
     async def go():
         async with kvstore(8) as (src, _, src_addr), kvstore(8, codec_mode="auto") as (dst, dst_stub, _):
-            blocks = [frame(i) for i in range(6)]
-            for h, f in blocks:
-                src.store.put(h, f)
+            blocks = seeded(src.store, 6)
             fetcher = dst.fetcher
             fetcher.codec_GBps = (0.5, 1.5)  # (this host's codec speed, as a quiet core runs it: not under test)
             fetcher.configured = {src_addr: 1.0 / 8}  # the links table: 1 Gbit/s to the source's site
@@ -289,9 +285,7 @@ def test_auto_codec_is_priced_by_the_configured_link_then_by_measurement():
 def test_shared_memory_arena_gives_same_host_readers_the_frames(tmp_path):
     store = BlockStore(4 * SIZE)
     store_id = os.urandom(16)
-    blocks = [frame(i) for i in range(3)]
-    for h, f in blocks:
-        store.put(h, f)
+    blocks = seeded(store, 3)
     for name in (str(tmp_path / "arena.sock"), f"@ember-test-{store_id.hex()}"):
         server = ArenaServer(name, store.fd, store.capacity_bytes, store_id)
         try:
