@@ -54,11 +54,11 @@ def test_engines_on_a_shared_host_split_it():
 
 def test_links_queue_transfers_and_streaming_hides_all_but_the_tail():
     link = Link(0.06, 125e6, 0.0, random.Random(0))  # 1 Gbit/s, 60 ms RTT
-    assert link.transfer(0.0, 0.0, 1.0, 125_000_000) == pytest.approx(2.06)
-    assert link.transfer(0.0, 0.0, 1.5, 125_000_000) == pytest.approx(3.06)  # waits its turn
+    assert link.transfer(0.0, 1.0, 125_000_000) == pytest.approx(2.06)
+    assert link.transfer(0.0, 1.5, 125_000_000) == pytest.approx(3.06)  # waits its turn
     # one ready earlier than those booked before it takes the idle wire ahead of them
-    assert link.transfer(0.0, 0.0, 0.1, 12_500_000) == pytest.approx(0.26)
-    assert link.transfer(0.0, 0.0, 0.5, 125_000_000) == pytest.approx(4.06)  # no gap fits
+    assert link.transfer(0.0, 0.1, 12_500_000) == pytest.approx(0.26)
+    assert link.transfer(0.0, 0.5, 125_000_000) == pytest.approx(4.06)  # no gap fits
     streamed = Link(0.06, 125e6, 0.0, random.Random(0))  # pushed one way; the last chunk's 1/16 trails
     assert streamed.stream(0.0, 0.0, 1.0, 62_500_000, 62_500_000 // 16) == pytest.approx(1.0 + 0.5 / 16 + 0.03)
     slow = Link(0.06, 12.5e6, 0.0, random.Random(0))  # a link slower than the prefill: the rest trails too

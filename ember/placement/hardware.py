@@ -162,10 +162,9 @@ class Link:
         if i:
             del self.busy[:i]
 
-    def transfer(self, now: float, start: float, ready: float, nbytes: int) -> float:
+    def transfer(self, now: float, ready: float, nbytes: int) -> float:
         """When `nbytes` of KV, ready at `ready` (when the decode side asks for them: a pull), have
-        landed: a request leg, the wire time, the data leg (one RTT in all). `start` is unused
-        (the bytes leave at `ready`)."""
+        landed: a request leg, the wire time, the data leg (one RTT in all)."""
         if nbytes <= 0:
             return ready
         self.forget(now)

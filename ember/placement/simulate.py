@@ -205,7 +205,7 @@ class Simulator:
                 kv = max(0, r.prompt_tokens // bs - cached.get(decode, 0)) * bs * self.kv_bytes_per_token
                 link_bytes += kv
                 link = self.links[(p, decode)]
-                landed = link.transfer(now, begin, asked, kv) if self.tail_bytes is None else \
+                landed = link.transfer(now, asked, kv) if self.tail_bytes is None else \
                     max(asked, link.stream(now, begin, end, kv, self.tail_bytes))
             if r.output_tokens > 1:
                 self.decode[decode].join(landed, len(self.sequences), r.output_tokens - 1)
