@@ -132,10 +132,13 @@ class KVConnector:
               trace_context: dict[str, str] | None = None) -> concurrent.futures.Future:
         """Bulk-put (hash, frame) pairs (raw frames from the engine; signed here, lazily, on the
         connector's thread); the future gives (blocks stored, blocks already there)."""
-        if self.mac_key is not None:
-            key = self.mac_key
-            frames = ((h, wire.sign_frame(frame, key)) for h, frame in frames)
-        return self._submit(bulk.put(self._kv.channel, frames, timeout=timeout), trace_context)
+        return self._submit(bulk.put(self._kv.channel, self._signed(frames), timeout=timeout), trace_context)
+
+    def _signed(self, frames):
+        """The frames signed with the cluster's MAC key as they are consumed (on the connector's
+        thread); as they are without one."""
+        key = self.mac_key
+        return frames if key is None else ((h, wire.sign_frame(frame, key)) for h, frame in frames)
 
     def stream(self, frames: list[tuple[bytes, bytes]], to: str, prefetch: list[bytes] = (),
                after: list[concurrent.futures.Future] = (),
@@ -151,7 +154,7 @@ class KVConnector:
         hashes = [h for h, _ in frames]
 
         async def run() -> tuple[int, int]:
-            signed = frames if self.mac_key is None else [(h, wire.sign_frame(f, self.mac_key)) for h, f in frames]
+            signed = list(self._signed(frames))  # (sent twice: to `to` and to the site store)
             if hashes:  # the push leaves first: its announcement must reach `to` before decode's pull can
                 self._track(self._send_on(to, self._push(to, signed, hashes), len(hashes)))
             if prefetch:
