@@ -10,12 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 
+from ember.bench.stream_bench import linked_config
 from ember.client import RouterClient
 from ember.cluster.chaos import Cluster
 from ember.cluster.launcher import running
-from ember.cluster.ports import on_free_ports
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.scheduler import STREAM_TAIL_TOKENS
 from ember.rpc import security
@@ -31,14 +30,8 @@ NEW_TOKENS = 8
 @pytest.fixture(scope="module")
 def linked(tmp_path_factory, model_path) -> Cluster:
     run_dir = tmp_path_factory.mktemp("kv-streaming")
-    data = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
-    data["router"]["site"] = "edge"
-    data["placement"]["emulate_links"] = True
-    data["links"] = [{"a": "central", "b": "edge", "rtt_ms": 60, "bandwidth_gbps": 1.0}]
-    data["engine"] = {"kv_cache_mb": 256, "threads": 1}
-    (run_dir / "source.yaml").write_text(yaml.safe_dump(data))
-    on_free_ports(run_dir / "source.yaml", run_dir / "cluster.yaml", str(model_path))
-    with running(run_dir / "cluster.yaml", run_dir, timeout_s=300):
+    config = linked_config(run_dir, True, str(model_path), engine={"kv_cache_mb": 256, "threads": 1})
+    with running(config, run_dir, timeout_s=300):
         yield Cluster(run_dir)
 
 

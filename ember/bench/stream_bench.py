@@ -24,13 +24,17 @@ ROOT = Path(__file__).resolve().parents[2]
 RTT_MS, GBPS, PROMPT_TOKENS, NEW_TOKENS = 60.0, 1.0, 2048, 32
 
 
-def _config(run_dir: Path, stream: bool, model: str | None) -> Path:
+def linked_config(run_dir: Path, stream: bool, model: str | None, engine: dict | None = None) -> Path:
+    """configs/local.yaml with the router at the edge and the emulated link between the sites, on free
+    ports in `run_dir` (`engine`: that section instead of the shipped one; tests/test_kv_streaming_cluster.py)."""
     from ember.cluster.ports import on_free_ports
     data = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
     data["router"]["site"] = "edge"
     data["placement"]["emulate_links"] = True
     data["links"] = [{"a": "central", "b": "edge", "rtt_ms": RTT_MS, "bandwidth_gbps": GBPS}]
     data.setdefault("kvstore", {})["stream_prefill"] = stream
+    if engine is not None:
+        data["engine"] = engine
     (run_dir / "source.yaml").write_text(yaml.safe_dump(data))
     on_free_ports(run_dir / "source.yaml", run_dir / "cluster.yaml", model)
     return run_dir / "cluster.yaml"
@@ -82,7 +86,7 @@ def _run(stream: bool, count: int, first: int, model: str | None) -> list[dict]:
     from ember.cluster.launcher import running
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp)
-        config_path = _config(run_dir, stream, model)
+        config_path = linked_config(run_dir, stream, model)
         prompts = _prompts(config_path, count + 1, first)
         with running(config_path, run_dir, timeout_s=300):
             from ember.config.load import load_config
