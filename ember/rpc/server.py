@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from ember.rpc import logs, security, tracing
 from ember.rpc.authz import AuthzInterceptor
+from ember.rpc.drain import DrainGate
 from ember.rpc.errors import ErrorInterceptor
 
 MAX_MESSAGE_BYTES = 64 * 2**20
@@ -95,7 +96,10 @@ class Server:
         creds = security.current()
         # the SERVER span first, so the error interceptor's status lands on it; authorization inside
         # (by certificate: nothing to check without credentials, `security: {tls: plaintext}`)
-        interceptors = [tracing.server_interceptor(), ErrorInterceptor()] + ([AuthzInterceptor()] if creds else [])
+        # (the drain's gate outermost: a call refused while draining costs nothing more)
+        self.gate = DrainGate()
+        interceptors = [self.gate, tracing.server_interceptor(), ErrorInterceptor()] + (
+            [AuthzInterceptor()] if creds else [])
         self.server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -143,7 +147,11 @@ class Server:
         if notice_s > 0:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(signals.get(), notice_s)
-        await self.server.stop(grace_s)
+        # new calls refused (UNAVAILABLE, by the gate) while the running ones finish; gRPC stops after
+        self.gate.close()
+        if not await self.gate.idle(grace_s):
+            log.warning("drain: %d calls still running after %g s are cut", self.gate.running, grace_s)
+        await self.server.stop(0)
         if on_stop is not None:
             await on_stop()
         log.info("drained: %s stopped", ",".join(self.service_names))
