@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from itertools import chain
 
 from ember.config.derived import kv_bytes_per_token, kv_element_bytes, link_codec_saving
 from ember.config.schema import ClusterConfig, HardwareProfile
@@ -95,6 +96,7 @@ class Placer:
         self.tail_bytes = STREAM_TAIL_TOKENS * self.kv_bytes_per_token if config.kvstore.stream_prefill else None
         self.block_size = config.engine.block_size
         self.profiles: dict[str, HardwareProfile] = {s.name: config.profile(s.name) for s in config.sites}
+        self._speed = {name: (p.prefill_tokens_per_s, p.prefill_context_tokens) for name, p in self.profiles.items()}
         self.capacity = {s.name: config.decode_capacity(s.name) for s in config.sites}
         self.tier = {s.name: s.tier for s in config.sites}
         self.pool = {s.name: self.profiles[s.name].pool for s in config.sites}
@@ -114,12 +116,23 @@ class Placer:
         # per decode site: prefill candidates that can ship KV to it (itself first, if it prefills)
         self.feeders = {d: ([d] if d in self.prefill_sites else []) +
                         [p for p in self.prefill_sites if (p, d) in self.routes] for d in decode_sites}
-        # the same, flattened for the hot loop: (site, prefill tok/s, context scale, rtt s, s per KV byte)
-        self._feeder_terms = {
-            d: [(p, self.profiles[p].prefill_tokens_per_s, self.profiles[p].prefill_context_tokens,
-                 0.0 if p == d else self.routes[(p, d)].rtt_s,
-                 0.0 if p == d else 1 / self.routes[(p, d)].bytes_per_s) for p in feeders]
+        # the same, flattened for the hot loop and nearest first (the decode site itself leads): site ->
+        # (prefill tok/s, context scale, rtt s, s per KV byte, the least its link can cost: a share of the RTT)
+        floor = 1.0 if self.tail_bytes is None else 0.5  # pulled: the RTT; streamed: half of it at least
+        self._feeder_terms: dict[str, dict[str, tuple[float, float, float, float, float]]] = {
+            d: dict(sorted(((p, (self.profiles[p].prefill_tokens_per_s, self.profiles[p].prefill_context_tokens,
+                                 0.0 if p == d else self.routes[(p, d)].rtt_s,
+                                 0.0 if p == d else 1 / self.routes[(p, d)].bytes_per_s,
+                                 0.0 if p == d else self.routes[(p, d)].rtt_s * floor)) for p in feeders),
+                           key=lambda item: item[1][2]))
             for d, feeders in self.feeders.items()}
+        self._fastest_tps = {d: max((t[0] for t in terms.values()), default=1.0)
+                             for d, terms in self._feeder_terms.items()}
+        self._widest_context = {d: max((t[1] for t in terms.values()), default=1.0)
+                                for d, terms in self._feeder_terms.items()}
+        # per region: the decode candidates this policy considers (its tier, if the region reaches one)
+        tier = {"central": "central", "edge": "edge", "ember": "edge"}.get(self.kind)
+        self._candidates = {r: [c for c in near if self.tier[c[1]] == tier] or near for r, near in self.nearest.items()}
         self.affinity: OrderedDict[str, str] = OrderedDict()  # session -> decode site, most recent last
 
     # -- decode ----------------------------------------------------------------------------
@@ -130,23 +143,21 @@ class Placer:
                 raise NoCapacity(f"unknown user region {request.region!r}; configured regions: "
                                  f"{', '.join(self.nearest)}")
             return self.policy.decode_site, "no region: the configured decode site"
-        candidates = self.nearest[request.region]
-        if self.kind == "central":
-            candidates = [c for c in candidates if self.tier[c[1]] == "central"] or candidates
-        elif self.kind in ("edge", "ember"):
-            candidates = [c for c in candidates if self.tier[c[1]] == "edge"] or candidates
+        candidates = self._candidates[request.region]
         if self.affinity_on and request.session_id in self.affinity:
             home = self.affinity[request.session_id]
             if any(s == home for _, s in candidates) and running.get(home, 0) < self.capacity[home]:
                 return home, "session affinity"
-        open_sites = [(rtt, s) for rtt, s in candidates if running.get(s, 0) < self.capacity[s]]
-        if not open_sites:
+        capacity = self.capacity
+        nearest_rtt, nearest = next(((rtt, s) for rtt, s in candidates if running.get(s, 0) < capacity[s]),
+                                    (None, None))
+        if nearest is None:
             raise NoCapacity(f"every decode site reachable from region {request.region!r} is full")
-        nearest_rtt, nearest = open_sites[0]
         output = request.output_tokens or self.default_output
         if output / max(1, request.prompt_tokens) > self.heavy_ratio:
             slack = nearest_rtt + self.slack_s
-            shaped = [s for rtt, s in open_sites if rtt <= slack and self.pool[s] == "decode-heavy"]
+            shaped = [s for rtt, s in candidates if rtt <= slack and self.pool[s] == "decode-heavy"
+                      and running.get(s, 0) < capacity[s]]
             if shaped:
                 return shaped[0], "nearest decode-heavy pool"
         return nearest, "nearest with room" if nearest == candidates[0][1] else "spilled to next nearest"
@@ -164,7 +175,8 @@ class Placer:
         uncached = request.prompt_tokens - cached
         have_at_decode = request.cached_blocks.get(decode_site, 0)
         kv_bytes = max(0, request.prompt_tokens // bs - have_at_decode) * bs * self.kv_bytes_per_token
-        prefill_s = self.profiles[site].prefill_s(uncached, cached)
+        tps, context = self._speed[site]
+        prefill_s = uncached / tps * (1 + (cached + uncached / 2) / context)  # HardwareProfile.prefill_s, inlined
         link_s = 0.0 if site == decode_site else \
             self.exposed_s(kv_bytes, 1 / route.bytes_per_s, prefill_s, route.rtt_s)
         return Estimate(site, load.prefill_queue_s.get(site, 0.0), prefill_s, link_s, uncached,
@@ -179,28 +191,48 @@ class Placer:
             return rtt_s + wire
         return rtt_s / 2 + max(min(kv_bytes, self.tail_bytes) * s_per_byte, wire - prefill_s)
 
-    def _cheapest(self, decode_site: str, feeders: list[str], request: Request, load: Load) -> str | None:
-        """The feeder with the lowest estimate(...).total_s: the same arithmetic, flattened
-        (the simulator places a million requests through this loop)."""
+    def _cheapest(self, decode_site: str, feeders: list[str], request: Request, load: Load) -> Estimate | None:
+        """The estimate(...) of the feeder with the lowest total_s: the same arithmetic (exposed_s and
+        HardwareProfile.prefill_s inlined), for the simulator's million requests. The sites holding
+        a prefix are tried first, then the rest nearest first, until not even an RTT's share of the
+        link and an uncached prefill at the fastest speed fits under the best so far."""
         bs, prompt, cached_blocks = self.block_size, request.prompt_tokens, request.cached_blocks
         kv_bytes = max(0, prompt // bs - cached_blocks.get(decode_site, 0)) * bs * self.kv_bytes_per_token
+        tail = self.tail_bytes
+        tail_kv = 0 if tail is None else min(kv_bytes, tail)
         queue = load.prefill_queue_s.get
-        best_site, best = None, float("inf")
+        best_site, best, parts = None, float("inf"), (0.0, 0.0, 0.0, 0)
         allowed = set(feeders) if len(feeders) != len(self.feeders[decode_site]) else None
-        floor = 1.0 if self.tail_bytes is None else 0.5  # streamed: half an RTT at least
-        for site, tps, context, rtt_s, s_per_byte in self._feeder_terms[decode_site]:
+        terms = self._feeder_terms[decode_site]
+        held = [(site, terms[site]) for site in cached_blocks if site in terms]
+        n_held, cut = len(held), best  # cut: the best so far less the least any uncached site computes
+        uncached_floor = prompt / self._fastest_tps[decode_site] * (1 + prompt / 2 / self._widest_context[decode_site])
+        for i, (site, (tps, context, rtt_s, s_per_byte, least_link)) in enumerate(chain(held, terms.items())):
+            if i >= n_held:  # (the rest, nearest first)
+                if least_link >= cut:  # no uncached site further on can cost less
+                    break
+                if site in cached_blocks:
+                    continue
             if allowed is not None and site not in allowed:
-                continue
-            if rtt_s * floor >= best:  # (a link costs at least this)
                 continue
             cached = min(cached_blocks.get(site, 0) * bs, prompt - 1)
             new = prompt - cached
             prefill = new / tps * (1 + (cached + new / 2) / context)
-            link = self.exposed_s(kv_bytes, s_per_byte, prefill, rtt_s) if rtt_s or s_per_byte else 0.0
-            total = queue(site, 0.0) + prefill + link
+            if least_link + prefill >= best:  # (the queue is never negative)
+                continue
+            if rtt_s or s_per_byte:
+                wire = kv_bytes * s_per_byte
+                link = rtt_s + wire if tail is None else rtt_s / 2 + max(tail_kv * s_per_byte, wire - prefill)
+            else:
+                link = 0.0
+            queued = queue(site, 0.0)
+            total = queued + prefill + link
             if total < best:
-                best_site, best = site, total
-        return best_site
+                best_site, best, parts = site, total, (queued, prefill, link, new)
+                cut = best - uncached_floor
+        if best_site is None:
+            return None
+        return Estimate(best_site, *parts, 0 if best_site == decode_site else kv_bytes)
 
     def place(self, request: Request, load: Load, keep_candidates: bool = True) -> Decision:
         """The decision; `keep_candidates=False` skips building every candidate's Estimate (the
@@ -216,8 +248,8 @@ class Placer:
         if keep_candidates:
             estimates = tuple(e for s in feeders if (e := self.estimate(s, decode_site, request, load)) is not None)
         else:
-            site = self._cheapest(decode_site, feeders, request, load)
-            estimates = () if site is None else (self.estimate(site, decode_site, request, load),)
+            cheapest = self._cheapest(decode_site, feeders, request, load)
+            estimates = () if cheapest is None else (cheapest,)
         if not estimates:
             raise NoCapacity(f"no prefill site has a link to decode site {decode_site!r}")
         best = min(estimates, key=lambda e: e.total_s)

@@ -40,24 +40,28 @@ from ember.placement.trace import TraceRequest
 
 class _RouterQueue:
     """Load.prefill_queue_s as the router keeps it: per site, the estimates of the prefills it sent
-    there whose answers are not back yet (work it believes queued, not what the hardware holds)."""
+    there whose answers are not back yet (work it believes queued, not what the hardware holds).
+    `total` is the plain dict the placer reads; `advance(now)` takes out the answers back by then."""
 
     def __init__(self):
         self.now = 0.0
-        self.inflight: dict[str, list[tuple[float, float]]] = {}  # site -> heap of (answer back, estimate)
+        self.inflight: list[tuple[float, str, float]] = []  # a heap of (answer back, site, estimate)
         self.total: dict[str, float] = {}
+        self.count: dict[str, int] = {}
 
     def add(self, site: str, back: float, estimate_s: float) -> None:
-        heapq.heappush(self.inflight.setdefault(site, []), (back, estimate_s))
+        heapq.heappush(self.inflight, (back, site, estimate_s))
         self.total[site] = self.total.get(site, 0.0) + estimate_s
+        self.count[site] = self.count.get(site, 0) + 1
 
-    def get(self, site: str, default: float = 0.0) -> float:
-        heap = self.inflight.get(site)
-        if not heap:
-            return default
-        while heap and heap[0][0] <= self.now:
-            self.total[site] -= heapq.heappop(heap)[1]
-        return max(0.0, self.total[site]) if heap else 0.0
+    def advance(self, now: float) -> None:
+        self.now = now
+        heap, total, count = self.inflight, self.total, self.count
+        while heap and heap[0][0] <= now:
+            _, site, estimate_s = heapq.heappop(heap)
+            count[site] -= 1
+            # (none left: exactly nothing queued, whatever the float sums kept)
+            total[site] = max(0.0, total[site] - estimate_s) if count[site] else 0.0
 
 
 class _RouterStreams:
@@ -133,7 +137,7 @@ class Simulator:
             self.links[(link.b, link.a)] = Link(link.rtt_ms / 1e3, speed, cv, rng)
         self.queue = _RouterQueue()
         self.streams = _RouterStreams(self)
-        self.load = Load(prefill_queue_s=self.queue, decode_running=self.streams)  # type: ignore[arg-type]
+        self.load = Load(prefill_queue_s=self.queue.total, decode_running=self.streams)  # type: ignore[arg-type]
         self.user_rtt = {(r.name, x.site): x.rtt_ms / 1e3 for r in config.regions for x in r.reach} \
             if user_rtt else {}
         self.router_site = router_site  # None: at each request's decode site (an edge router near its users)
@@ -182,7 +186,7 @@ class Simulator:
             last_t = now
             held = self.session_sites.get(r.session, {})
             cached = {s: min(tokens, r.prompt_tokens) // bs for s, tokens in held.items()}
-            self.queue.now = now
+            self.queue.advance(now)
             try:
                 d = placer.place(Request(r.prompt_tokens, r.output_tokens, r.region, cached, r.session), self.load,
                                  keep_candidates=False)
@@ -213,7 +217,7 @@ class Simulator:
                 heapq.heappush(self.streams.starting, (first_at, decode))
             self._cache(p, r.session, r.prompt_tokens)
             self._cache(decode, r.session, r.prompt_tokens + r.output_tokens)
-        self.queue.now = float("inf")
+        self.queue.advance(float("inf"))
         for site in self.decode:  # every stream starts and ends
             self.streams.get(site)
         for sequence, (i, first_at, tokens) in enumerate(self.sequences):
