@@ -15,8 +15,9 @@ import time
 import grpc
 from grpc_health.v1 import health
 
-# Health answers through the drain (NOT_SERVING) and a Watch stream never counts as running work.
-UNGATED = (f"/{health.SERVICE_NAME}/",)
+# Health answers through the drain (NOT_SERVING), and neither a health Watch nor a reflection
+# stream (a client such as grpcurl may hold one open) counts as running work.
+UNGATED = (f"/{health.SERVICE_NAME}/", "/grpc.reflection.")
 
 
 class DrainGate(grpc.aio.ServerInterceptor):
@@ -50,7 +51,13 @@ class DrainGate(grpc.aio.ServerInterceptor):
             self._changed = asyncio.Event()
         return self._changed
 
-    def _ended(self) -> None:
+    def _started(self, context) -> None:
+        """Count a call until gRPC is done with it: its status sent, or it was cancelled (not
+        merely its handler returned: the reply is sent after that)."""
+        self.running += 1
+        context.add_done_callback(self._ended)
+
+    def _ended(self, _context=None) -> None:
         self.running -= 1
         self._event().set()
 
@@ -63,28 +70,23 @@ class DrainGate(grpc.aio.ServerInterceptor):
         async def refuse(context):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is draining (shutting down); retry elsewhere")
 
-        def unary(fn):
+        def unary(fn):  # (also a streaming handler that is a coroutine writing to its context)
             async def counted(request, context):
                 if gate.closed:
                     await refuse(context)
-                gate.running += 1
-                try:
-                    return await fn(request, context)
-                finally:
-                    gate._ended()
+                gate._started(context)
+                return await fn(request, context)
             return counted
 
         def stream(fn):
             async def counted(request, context):
                 if gate.closed:
                     await refuse(context)
-                gate.running += 1
-                try:  # aclosing: a stream the client ends closes the handler now
-                    async with contextlib.aclosing(fn(request, context)) as items:
-                        async for item in items:
-                            yield item
-                finally:
-                    gate._ended()
+                gate._started(context)
+                # aclosing: a stream the client ends closes the handler now
+                async with contextlib.aclosing(fn(request, context)) as items:
+                    async for item in items:
+                        yield item
             return counted
 
         kinds = (("unary_unary", grpc.unary_unary_rpc_method_handler),

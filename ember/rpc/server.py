@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -149,9 +150,12 @@ class Server:
                 await asyncio.wait_for(signals.get(), notice_s)
         # new calls refused (UNAVAILABLE, by the gate) while the running ones finish; gRPC stops after
         self.gate.close()
+        started = time.monotonic()
         if not await self.gate.idle(grace_s):
             log.warning("drain: %d calls still running after %g s are cut", self.gate.running, grace_s)
-        await self.server.stop(0)
+        # what the gate never saw (a request still arriving when it closed) gets the rest, up to a
+        # second: a health Watch or reflection stream a client holds open must not hold the exit
+        await self.server.stop(min(1.0, max(0.0, grace_s - (time.monotonic() - started))))
         if on_stop is not None:
             await on_stop()
         log.info("drained: %s stopped", ",".join(self.service_names))
