@@ -57,7 +57,7 @@ class DrainGate(grpc.aio.ServerInterceptor):
         self.running += 1
         context.add_done_callback(self._ended)
 
-    def _ended(self, _context=None) -> None:
+    def _ended(self, _context) -> None:
         self.running -= 1
         self._event().set()
 

@@ -295,9 +295,8 @@ class EngineCore:
         # Right after the last step: no later step can have evicted these blocks yet.
         wanted = out.block_hashes[out.cached_tokens // self.engine.config.block_size:]
         if live.l2_lookup is not None:
-            done = live.l2_lookup.done() and live.l2_lookup.exception() is None
-            present = live.l2_lookup.result() if done else [False] * len(live.l1_hashes)
-            wanted = [h for h, p in zip(live.l1_hashes, present) if not p] + wanted
+            present = self._present_in_store(live)
+            wanted = [h for h in live.l1_hashes if h not in present] + wanted
         # streamed chunks: stored already, or still being stored (the write-back waits for those);
         # only a failed one's blocks go again
         ok = [(f, hashes) for f, hashes in live.stream_stores if not f.done() or f.exception() is None]
@@ -344,8 +343,8 @@ class EngineCore:
             if full <= live.streamed:
                 continue
             computed_from = max(live.streamed, seq.num_cached_tokens // bs)
-            prefetch = [h for h in live.hashes[live.streamed:computed_from] if h in live.in_store or
-                        h in self._present_in_store(live)]
+            in_store = live.in_store | self._present_in_store(live)
+            prefetch = [h for h in live.hashes[live.streamed:computed_from] if h in in_store]
             fresh = [h for h in live.hashes[computed_from:full] if h in cached]
             frames = list(zip(fresh, self.engine.export_frames(fresh)))
             future = self.connector.stream(frames, live.request.plan.stream_to, prefetch,
