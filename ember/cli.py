@@ -155,12 +155,12 @@ def cmd_serve(args) -> int:
 
 def cmd_fetch_model(args) -> int:
     from ember.model.fetch import MODELS, fetch_model
-    from ember.model.loader import ensure_gguf_cache
+    from ember.model.files import prepare_gguf
     if args.name not in MODELS:
         print(f"error: unknown model {args.name!r}; named models: {', '.join(MODELS)}", file=sys.stderr)
         return 2
     path = fetch_model(args.name, Path(args.dest) if args.dest else None)
-    ensure_gguf_cache(path)
+    prepare_gguf(path)
     print(path)
     return 0
 

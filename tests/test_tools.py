@@ -48,7 +48,7 @@ PARAMS = {t["function"]["name"]: t["function"].get("parameters", T.NO_PARAMETERS
 def tok() -> Tokenizer:
     folder = model_folder(DEFAULT_MODEL_PATH)
     if not (folder / "tokenizer.json").exists():
-        from ember.model.loader import ensure_gguf_cache
+        from ember.model.files import ensure_gguf_cache
         folder = ensure_gguf_cache(fetch_default_model(DEFAULT_MODEL_PATH))
     return Tokenizer.from_folder(folder)
 

@@ -80,7 +80,7 @@ def load_tokenizer():
     from ember.model.tokenizer import Tokenizer
     folder = model_folder(DEFAULT_MODEL_PATH)
     if not (folder / "tokenizer.json").exists():
-        from ember.model.loader import ensure_gguf_cache
+        from ember.model.files import ensure_gguf_cache
         folder = ensure_gguf_cache(fetch_default_model())
     return Tokenizer.from_folder(folder)
 

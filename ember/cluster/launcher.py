@@ -115,16 +115,16 @@ def service_commands(config: ClusterConfig, config_path: Path, run_dir: Path | N
 
 def prepare_model(config: ClusterConfig) -> Path:
     """The model's file, fetched into the user cache when it is a named model not there yet, and
-    a GGUF converted once here (not racing in two engine processes)."""
+    a GGUF converted once here (not racing in two engine processes), with its packed int4 weights."""
     from ember.model.fetch import MODELS, fetch_model
+    from ember.model.files import prepare_gguf
     model = config.model_path()
     if config.model in MODELS:
         fetch_model(config.model, model)
     if not model.exists():
         raise FileNotFoundError(f"model not found: {model} (from `model: {config.model}` in the config)")
     if model.suffix == ".gguf":
-        from ember.model.loader import ensure_gguf_cache
-        ensure_gguf_cache(model)
+        prepare_gguf(model)
     return model
 
 

@@ -72,11 +72,30 @@ class Int4Linear(nn.Module):
         if self.native is None:
             self.packed, self.scales_and_zeros = _pack_int4(*(torch.from_numpy(a) for a in (codes, scale, low)))
 
+    @classmethod
+    def from_pack(cls, pack: cpu_q4.Q4Pack) -> Int4Linear:
+        """The layer over weights already in the C++ kernel's layout (ember.model.q4_cache)."""
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.out_features, layer.in_features, layer.group_size = pack.out_features, pack.in_features, 32
+        layer.native = pack
+        return layer
+
     weight_bytes = property(lambda self: _kernel_bytes(self))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         return _int4_mm(x.reshape(-1, self.in_features), self).view(*lead, self.out_features)
+
+
+def quantize_logits(weight: torch.Tensor, group_size: int = 32) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The output layer's int4 codes [out, in] and float16-exact scale, min [out, in / group] (the C++
+    kernel's format; codes rounded against the rounded scale and min)."""
+    groups = weight.float().view(weight.shape[0], -1, group_size)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale, low = ((high - low) / 15).clamp_min(1e-4).half().float(), low.half().float()
+    codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).view(weight.shape[0], -1)
+    return codes, scale, low
 
 
 class Int4Logits(nn.Module):
@@ -91,16 +110,17 @@ class Int4Logits(nn.Module):
     the batch size (a dense GEMM for batches would round differently from the 1-row path).
     """
 
-    def __init__(self, weight: torch.Tensor, candidates: int = 64, group_size: int = 32, native: bool | None = None):
+    def __init__(self, weight: torch.Tensor, candidates: int = 64, group_size: int = 32, native: bool | None = None,
+                 pack: cpu_q4.Q4Pack | None = None):
+        """pack: the C++ kernel's codes of `weight`, made already (ember.model.q4_cache)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.group_size, self.candidates = group_size, candidates
         self.weight = weight.to(torch.bfloat16)  # rows for the exact re-score
-        groups = self.weight.float().view(self.out_features, -1, group_size)
-        low, high = groups.amin(-1), groups.amax(-1)
-        # float16 scale and min (the C++ kernel's format), codes rounded against them
-        scale, low = ((high - low) / 15).clamp_min(1e-4).half().float(), low.half().float()
-        codes = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).view(self.out_features, -1)
+        if pack is not None:
+            self.native = pack
+            return
+        codes, scale, low = quantize_logits(self.weight, group_size)
         if native is None:
             native = group_size == 32 and cpu_q4.fits(self.out_features, self.in_features)
         self.native = cpu_q4.Q4Pack(codes.numpy(), scale.numpy(), low.numpy()) if native else None

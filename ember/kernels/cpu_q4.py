@@ -38,6 +38,15 @@ class Q4Pack:
         dm = dm.reshape(n // QUAD, QUAD, 2, k // 32).transpose(0, 3, 2, 1)  # [N/64, G, 2, 64]
         self.dm = torch.from_numpy(np.ascontiguousarray(dm).view(np.int16))
 
+    @classmethod
+    def from_packed(cls, codes: torch.Tensor, dm: torch.Tensor) -> Q4Pack:
+        """A pack from tensors already in the kernel's layout (codes [N/64, K/8, 4, 16, 4] uint8,
+        dm [N/64, K/32, 2, 64] int16), e.g. memory-mapped from ember.model.q4_cache."""
+        pack = cls.__new__(cls)
+        pack.codes, pack.dm = codes, dm
+        pack.out_features, pack.in_features = codes.shape[0] * QUAD, codes.shape[1] * 8
+        return pack
+
     @property
     def nbytes(self) -> int:
         return self.codes.numel() + self.dm.numel() * 2

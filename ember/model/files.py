@@ -5,6 +5,8 @@ import hashlib
 import json
 from pathlib import Path
 
+CONVERTER_VERSION = 2  # of the GGUF load cache (ember.model.gguf_convert); 2: ember.json records layer_types
+
 
 def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
     digest = hashlib.sha256()
@@ -17,6 +19,36 @@ def sha256_file(path: Path, chunk_bytes: int = 1 << 20) -> str:
 def cache_dir_for(gguf_path: Path) -> Path:
     """The HF-layout folder a GGUF is converted into, beside it."""
     return gguf_path.with_name(gguf_path.stem + ".ember")
+
+
+def ensure_gguf_cache(gguf_path: Path) -> Path:
+    """The HF-layout cache folder for a GGUF, (re)built when missing or stale."""
+    cache = cache_dir_for(gguf_path)
+    stat = gguf_path.stat()
+    meta_path = cache / "ember.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        if (meta.get("converter_version") == CONVERTER_VERSION and meta.get("source_size") == stat.st_size
+                and meta.get("source_mtime_ns") == stat.st_mtime_ns):
+            return cache
+    from ember.model.gguf_convert import convert_gguf  # torch and gguf: only to convert
+    fingerprint = "sha256:" + sha256_file(gguf_path)
+    convert_gguf(gguf_path, cache, fingerprint)
+    meta = json.loads(meta_path.read_text())
+    meta.update(source_size=stat.st_size, source_mtime_ns=stat.st_mtime_ns)
+    meta_path.write_text(json.dumps(meta))
+    return cache
+
+
+def prepare_gguf(gguf_path: Path) -> Path:
+    """Every load cache of a GGUF, made once (before engines start, so none of them races another
+    to make it): the HF-layout folder, and for a Q4_1 file the int4 kernel's packed weights
+    (ember.model.q4_cache). Checking costs no torch import; making them does."""
+    folder = ensure_gguf_cache(gguf_path)
+    if is_q4_1_gguf(gguf_path):
+        from ember.model import q4_cache
+        q4_cache.ensure(gguf_path)
+    return folder
 
 
 def model_folder(path: str | Path) -> Path:
@@ -60,7 +92,7 @@ def resolve_serving(path: str | Path, dtype: str = "auto", weights: str = "auto"
     """
     path = Path(path)
     if weights == "auto":
-        weights = "q4" if dtype in ("auto", "bfloat16") and _is_q4_1_gguf(path) else "dense"
+        weights = "q4" if dtype in ("auto", "bfloat16") and is_q4_1_gguf(path) else "dense"
     if dtype == "auto":
         if weights == "q4":
             dtype = "bfloat16"
@@ -75,7 +107,7 @@ def resolve_serving(path: str | Path, dtype: str = "auto", weights: str = "auto"
     return dtype, weights
 
 
-def _is_q4_1_gguf(path: Path) -> bool:
+def is_q4_1_gguf(path: Path) -> bool:
     if path.suffix != ".gguf":
         return False
     if not path.exists():

@@ -16,10 +16,9 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-from ember.model.files import gguf_layer_types
+from ember.model.files import CONVERTER_VERSION, gguf_layer_types
 from ember.model.llama import ModelArgs
 
-CONVERTER_VERSION = 2  # 2: ember.json records layer_types
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 

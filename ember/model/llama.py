@@ -165,8 +165,9 @@ class LlamaModel(nn.Module):
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
-    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+    def load_hf_state_dict(self, tensors: dict[str, torch.Tensor], linears: bool = True) -> None:
         """Load weights named as in Hugging Face Llama checkpoints, fusing qkv and gate/up.
+        linears=False: the layers' linears are in place already (int4 modules) and not in `tensors`.
 
         Consumes `tensors` (entries are popped as they are used)."""
         def take(name: str) -> torch.Tensor:
@@ -183,6 +184,8 @@ class LlamaModel(nn.Module):
             p = f"model.layers.{i}."
             own[f"layers.{i}.input_layernorm.weight"] = take(p + "input_layernorm.weight")
             own[f"layers.{i}.post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
+            if not linears:
+                continue
             own[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
                 [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")])
             own[f"layers.{i}.self_attn.o_proj.weight"] = take(p + "self_attn.o_proj.weight")

@@ -11,8 +11,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ember.model.files import cache_dir_for, check_weights, folder_fingerprint, sha256_file, weights_fingerprint
-from ember.model.gguf_convert import CONVERTER_VERSION, convert_gguf
+from ember.model.files import check_weights, ensure_gguf_cache, folder_fingerprint, weights_fingerprint
 from ember.model.llama import LlamaModel, ModelArgs
 from ember.model.safetensors_io import read_safetensors
 from ember.model.tokenizer import Tokenizer
@@ -31,24 +30,6 @@ class LoadedModel:
     weights: str = "dense"  # "dense" (the serving dtype) or "q4" (the GGUF's Q4_1 codes as int4)
 
 
-def ensure_gguf_cache(gguf_path: Path) -> Path:
-    """The HF-layout cache folder for a GGUF, (re)built when missing or stale."""
-    cache = cache_dir_for(gguf_path)
-    stat = gguf_path.stat()
-    meta_path = cache / "ember.json"
-    if meta_path.exists():
-        meta = json.loads(meta_path.read_text())
-        if (meta.get("converter_version") == CONVERTER_VERSION and meta.get("source_size") == stat.st_size
-                and meta.get("source_mtime_ns") == stat.st_mtime_ns):
-            return cache
-    fingerprint = "sha256:" + sha256_file(gguf_path)
-    convert_gguf(gguf_path, cache, fingerprint)
-    meta = json.loads(meta_path.read_text())
-    meta.update(source_size=stat.st_size, source_mtime_ns=stat.st_mtime_ns)
-    meta_path.write_text(json.dumps(meta))
-    return cache
-
-
 def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense", shard=None,
                layers: tuple[int, int] | None = None) -> LoadedModel:
     """The model at `path`. shard: a tensor-parallel rank's part (ember.parallel.shard.RankShard): only
@@ -64,13 +45,16 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense",
     folder = ensure_gguf_cache(path) if path.suffix == ".gguf" else path
     args = ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
     torch_dtype = DTYPES[dtype]
+    packs = _cached_packs(path) if weights == "q4" and shard is None and layers is None else None
     tensors = {}
     for file in sorted(folder.glob("*.safetensors")):
         if shard is not None or layers is not None:
             tensors.update(_read_part(file, torch_dtype, args, shard, layers))
         else:
-            # the embedding is only looked up by row: map it, don't load it (113 MB for SmolLM2)
-            tensors.update(read_safetensors(file, torch_dtype, mapped=("model.embed_tokens.weight",)))
+            # the embedding is only looked up by row: map it, don't load it (113 MB for SmolLM2);
+            # layer linears the packed cache holds are never read
+            tensors.update(read_safetensors(file, torch_dtype, mapped=("model.embed_tokens.weight",),
+                                            skip=_is_layer_linear if packs is not None else None))
     weights_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     local = args if shard is None else shard.local_args(args)
     if layers is not None:
@@ -82,10 +66,13 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense",
             model.embed_tokens = nn.Embedding(0, args.hidden_size)
         if model.lm_head is not None and tensors.get("lm_head.weight", torch.empty(1)).shape[0] == 0:
             model.lm_head = nn.Linear(args.hidden_size, 0, bias=False)
-    model.load_hf_state_dict(tensors)
-    model.eval().requires_grad_(False)
-    if weights == "q4":
-        weights_bytes = _use_int4(model, path, args, shard, layers[0] if layers is not None else 0)
+    if packs is not None:
+        weights_bytes = _use_packed_int4(model, packs, tensors)
+    else:
+        model.load_hf_state_dict(tensors)
+        model.eval().requires_grad_(False)
+        if weights == "q4":
+            weights_bytes = _use_int4(model, path, args, shard, layers[0] if layers is not None else 0)
     return LoadedModel(args, model, Tokenizer.from_folder(folder),
                        weights_fingerprint(folder_fingerprint(folder), weights), path.stem, weights_bytes, weights)
 
@@ -143,6 +130,38 @@ def _read_part(file: Path, dtype: torch.dtype, args: ModelArgs, shard, layers: t
 Q4_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
             "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
             "mlp.down_proj": ("mlp.down_proj",)}
+
+
+def _is_layer_linear(name: str) -> bool:
+    return name.startswith("model.layers.") and name.endswith("_proj.weight")
+
+
+def _cached_packs(gguf_path: Path) -> dict | None:
+    """The GGUF's packed int4 weights from its on-disk cache (ember.model.q4_cache), built there on the
+    first start; None where the C++ kernel cannot serve them (the engine packs for torch's then)."""
+    if gguf_path.suffix != ".gguf":
+        return None
+    from ember.model import q4_cache
+    cache = q4_cache.ensure(gguf_path)
+    return q4_cache.load(cache) if cache is not None else None
+
+
+def _use_packed_int4(model: LlamaModel, packs: dict, tensors: dict[str, torch.Tensor]) -> int:
+    """Install the cached packs as the layers' int4 linears and the output layer's nominating pass, then
+    load the rest (norms, embedding) from `tensors`; returns weight bytes. The same modules as
+    _use_int4 builds, over memory-mapped weights."""
+    from ember.kernels.cpu_int4 import Int4Linear, Int4Logits, decode_layer
+    for i, layer in enumerate(model.layers):
+        for target in Q4_FUSED:
+            parent, attr = target.split(".")
+            setattr(getattr(layer, parent), attr, Int4Linear.from_pack(packs[f"model.layers.{i}.{target}"]))
+    model.load_hf_state_dict(tensors, linears=False)
+    model.eval().requires_grad_(False)
+    output = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
+    model.lm_head = Int4Logits(output, pack=packs["logits"])
+    model.small_step, model.small_step_rows = decode_layer, sys.maxsize
+    return sum(m.weight_bytes for m in model.modules() if isinstance(m, Int4Linear)) + sum(
+        p.numel() * p.element_size() for p in model.parameters())
 
 
 def _use_int4(model: LlamaModel, gguf_path: Path, args: ModelArgs, shard=None, first_layer: int = 0) -> int:

@@ -17,9 +17,10 @@ _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "
            "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def read_safetensors(path: Path, dtype: torch.dtype | None = None,
-                     mapped: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:
-    """All tensors of the file, each in its own memory, cast to `dtype` when given.
+def read_safetensors(path: Path, dtype: torch.dtype | None = None, mapped: tuple[str, ...] = (),
+                     skip=None) -> dict[str, torch.Tensor]:
+    """All tensors of the file (but those `skip(name)` is true for), each in its own memory, cast to
+    `dtype` when given.
 
     Tensors named in `mapped` that need no cast are instead private copy-on-write views
     of the file: only the pages actually read become resident (an embedding table used
@@ -31,7 +32,7 @@ def read_safetensors(path: Path, dtype: torch.dtype | None = None,
         header = json.loads(f.read(header_len))
         base = 8 + header_len
         for name, info in header.items():
-            if name == "__metadata__":
+            if name == "__metadata__" or (skip is not None and skip(name)):
                 continue
             if info["dtype"] not in _DTYPES:
                 raise ValueError(f"{path.name}: tensor {name!r} has unsupported dtype {info['dtype']}")
@@ -50,6 +51,13 @@ def read_safetensors(path: Path, dtype: torch.dtype | None = None,
                 t = t.to(dtype)
             tensors[name] = t
     return tensors
+
+
+def tensor_names(path: Path) -> list[str]:
+    """The tensors a .safetensors file holds (its header only)."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        return [name for name in json.loads(f.read(header_len)) if name != "__metadata__"]
 
 
 class _MappedBytes:
