@@ -1,12 +1,20 @@
-"""A real local cluster on free ports, for the service tests."""
+"""Helpers of the service tests: a real local cluster's config on free ports, channels to its
+services, and waiting on a condition with a deadline."""
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from ember.cluster.ports import free_port, write_local_config
 from ember.model.fetch import DEFAULT_MODEL_PATH
 
-__all__ = ["dial", "free_port", "write_config"]
+__all__ = ["AT_ONCE_S", "dial", "free_port", "wait_until", "write_config"]
+
+# "At once", for what a test observes through real processes on a loaded 2-core CI host: far past any
+# scheduling stall seen there (0.5 s), far short of the timeouts a hang would run into (30 s and up).
+# Tests print the measured figure; the product's own budgets are asserted from its counters and spans.
+AT_ONCE_S = 10.0
 
 
 def write_config(path: Path, directory: str | None = None, shared_memory: bool = True, **engine) -> dict[str, str]:
@@ -25,3 +33,13 @@ def dial(cluster: dict, key: str, as_service: str = "operator", options=None):
     from ember.cluster.launcher import credentials
     from ember.rpc import security
     return security.dial(cluster[key], credentials(Path(cluster["config"]).parent, as_service), options)
+
+
+def wait_until(condition: Callable[[], object], timeout_s: float, what: str, every_s: float = 0.05):
+    """`condition()`'s first truthy value, polled every `every_s`; fails naming `what` after `timeout_s`
+    (a hang is a failure, never a slow pass)."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        time.sleep(every_s)
+    return value

@@ -119,19 +119,47 @@ def hf_greedy(hf_model):
 
 
 @pytest.fixture(scope="session")
-def shared_cluster(tmp_path_factory, model_path):
-    """The two-site exact-path cluster (tests/cluster_fixture.write_config), started once for the
-    modules that only send it requests (test_cluster, test_mtls, test_openai_api, test_openai_tools)
-    rather than once per module. Its addresses, plus `config` (the YAML) and `run_dir`."""
-    from ember.cluster.launcher import running
-    from tests.cluster_fixture import write_config
-    run_dir = tmp_path_factory.mktemp("shared-cluster")
-    addr = write_config(run_dir / "cluster.yaml")
-    with running(run_dir / "cluster.yaml", run_dir, timeout_s=240):
-        yield addr | {"config": str(run_dir / "cluster.yaml"), "run_dir": run_dir}
+def session_clusters(tmp_path_factory, model_path):
+    """The session clusters by config, one up at a time (tests/clusters.py)."""
+    from tests.clusters import SessionClusters
+    pool = SessionClusters(tmp_path_factory.mktemp("clusters"), str(model_path))
+    yield pool
+    pool.close()
 
 
-@pytest.fixture(scope="session", name="api")
+def _session_cluster(kind: str):
+    @pytest.fixture(scope="module", name=f"{kind}_cluster")
+    def fixture(session_clusters):
+        return session_clusters.get(kind)
+    fixture.__doc__ = f"The session's {kind!r} cluster (tests/clusters.py), reset to its start state for this module."
+    return fixture
+
+
+exact_cluster = _session_cluster("exact")
+default_cluster = _session_cluster("default")
+ha_cluster = _session_cluster("ha")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The modules of one session cluster run together (a stable sort: the rest keeps its order, and
+    the tests that use no session cluster run first), so each cluster starts once."""
+    from tests.clusters import FIXTURES
+    kinds = list(FIXTURES)
+
+    def group(item) -> int:
+        used = [kinds.index(f) for f in item.fixturenames if f in FIXTURES]
+        return 1 + min(used) if used else 0
+    items.sort(key=group)
+
+
+@pytest.fixture(scope="module")
+def shared_cluster(exact_cluster):
+    """The exact cluster's addresses (tests/cluster_fixture.write_config), plus `config` (the YAML) and
+    `run_dir`."""
+    return exact_cluster.addr | {"config": str(exact_cluster.config), "run_dir": exact_cluster.run_dir}
+
+
+@pytest.fixture(scope="module", name="api")
 def openai_api(shared_cluster):
     """The official `openai` client on the shared cluster's HTTP API (no retries: a failure shows)."""
     import openai

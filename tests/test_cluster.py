@@ -1,18 +1,15 @@
 """The disaggregated path across real processes: router -> prefill -> kvstores -> decode."""
 from __future__ import annotations
 
-import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
 import grpc
 import pytest
-import yaml
 
 from ember.client import RouterClient
 from ember.cluster.launcher import wait_serving
@@ -22,7 +19,7 @@ from ember.kv.block_hash import chain_hashes
 from ember.kv.chunks import split
 from ember.rpc.server import CHANNEL_OPTIONS
 from ember.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
-from tests.cluster_fixture import dial, free_port, write_config
+from tests.cluster_fixture import dial, write_config
 from tests.conftest import LONG_TEXT, PROMPTS
 
 
@@ -182,7 +179,6 @@ def test_unknown_model_is_not_found(cluster):
 def spans_of(cluster, request_id: str, service: str, timeout_s: float = 10) -> list[dict]:
     """The SERVER spans `service` exported for `request_id` (ember.request_id), once there are any."""
     import json
-    from pathlib import Path
     run_dir = Path(cluster["config"]).parent
     deadline = time.monotonic() + timeout_s
     while True:
@@ -196,7 +192,6 @@ def spans_of(cluster, request_id: str, service: str, timeout_s: float = 10) -> l
 
 def aborted(cluster, reason: str) -> float:
     import json
-    from pathlib import Path
     services = json.loads((Path(cluster["config"]).parent / "services.json").read_text())
     return scrape(services["decode-edge"]["metrics"]).get(f"ember:requests_aborted_total{{reason={reason}}}", 0)
 
@@ -330,50 +325,33 @@ def test_concurrent_streams_survive_one_cancel(client, engine):
     assert results["out"].token_ids == local_greedy(engine, ids, 12)
 
 
-@contextmanager
-def router_process(config_path, address: str, tls_dir: Path):
-    """A lone router process on `config_path` holding the router certificate in `tls_dir`,
-    serving at `address`; killed afterwards."""
-    import os
-    log = config_path.with_suffix(".log")
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "ember.services.router", "--config", str(config_path)],
-                                cwd=config_path.parent, stdout=out, stderr=subprocess.STDOUT,
-                                env={**os.environ, "EMBER_TLS_DIR": str(tls_dir)})
-    try:
-        wait_serving(address, time.monotonic() + 60, proc, log)
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=20)
-
-
 def test_router_with_a_dead_prefill_answers_unavailable_not_a_hang(tmp_path, model_path):
     from ember.cluster.certs import write_cluster_certs
+    from ember.cluster.launcher import spawn
     from ember.config.load import load_config
     addr = write_config(tmp_path / "cluster.yaml")  # only the router runs: its peers are dead ports
     write_cluster_certs(load_config(tmp_path / "cluster.yaml"), tmp_path / "certs")
-    with router_process(tmp_path / "cluster.yaml", addr["router"], tmp_path / "certs" / "router"):
+    argv = [sys.executable, "-m", "ember.services.router", "--config", str(tmp_path / "cluster.yaml")]
+    proc = spawn(tmp_path, "router", argv, {"EMBER_TLS_DIR": str(tmp_path / "certs" / "router")})
+    try:
+        wait_serving(addr["router"], time.monotonic() + 60, proc, tmp_path / "router.log")
         start = time.monotonic()
         with RouterClient(addr["router"]) as c, pytest.raises(grpc.RpcError) as e:
             list(c.stream(text="hello", max_tokens=4, timeout=30))
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert time.monotonic() - start < 20
+        answered_s = time.monotonic() - start
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and answered_s < 20, answered_s  # (its deadline: 30 s)
+    finally:
+        proc.kill()
+        proc.wait(timeout=20)
 
 
-def test_sigterm_drains_the_router(cluster, tmp_path, engine):
+def test_sigterm_drains_the_router(exact_cluster, tmp_path, engine):
     """NOT_SERVING at once, still served for the notice, then new calls refused while the in-flight
-    stream runs to completion with the undisturbed tokens; exit 0 (tests/test_drain.py: the others)."""
+    stream runs to completion with the undisturbed tokens; exit 0 (tests/test_drain.py: the others).
+    A second router in front of the same cluster (no HTTP)."""
     from tests.test_drain import drain
-    config = yaml.safe_load(open(cluster["config"]))
-    config["router"] = {"listen": f"127.0.0.1:{free_port()}",  # a second router in front of the same cluster
-                        "internal": f"127.0.0.1:{free_port()}"}
-    (tmp_path / "cluster.yaml").write_text(yaml.safe_dump(config))  # (no HTTP: the first one holds its port)
-    address = config["router"]["listen"]
     ids = engine.tokenizer.encode(PROMPTS[2])
-    certs = Path(cluster["config"]).parent / "certs" / "router"  # the cluster's router certificate
-    with router_process(tmp_path / "cluster.yaml", address, certs) as proc, RouterClient(address) as c:
+    with exact_cluster.cluster.second_router(tmp_path) as (router, proc), RouterClient(router["listen"]) as c:
         def probe():  # a new call, answered by the router itself (no tokens spent)
             try:
                 c.complete(text="", max_tokens=4, timeout=5)
@@ -384,7 +362,7 @@ def test_sigterm_drains_the_router(cluster, tmp_path, engine):
         tokens = list(next(stream).token_ids)
         with ThreadPoolExecutor(1) as pool:
             in_flight = pool.submit(lambda: [msg for msg in stream])
-            print(drain(proc, address, in_flight, probe, public=True))
+            print(drain(proc, router["listen"], in_flight, probe, public=True))
             rest = in_flight.result()
     tokens += [t for msg in rest for t in msg.token_ids]
     assert len(tokens) == 40 and rest[-1].finished, "the in-flight stream ran to completion"
@@ -394,7 +372,6 @@ def test_sigterm_drains_the_router(cluster, tmp_path, engine):
 
 def test_one_request_is_one_trace_across_all_four_services(client, cluster, engine):
     import json
-    from pathlib import Path
     run_dir = Path(cluster["config"]).parent
     ids = engine.tokenizer.encode("Tracing one request through every service: " + LONG_TEXT[:500])
     out = client.complete(token_ids=ids, max_tokens=4, request_id="traced-1", timeout=120)
@@ -450,7 +427,6 @@ def scrape(address: str) -> dict[str, float]:
 
 def test_metrics_move_with_a_request(client, cluster, engine):
     import json
-    from pathlib import Path
     services = json.loads((Path(cluster["config"]).parent / "services.json").read_text())
     names = ("router", "prefill-central", "decode-edge", "kvstore-central", "kvstore-edge")
     before = {n: scrape(services[n]["metrics"]) for n in names}
@@ -479,7 +455,6 @@ def test_metrics_move_with_a_request(client, cluster, engine):
 
 def test_errors_are_counted_by_status(client, cluster):
     import json
-    from pathlib import Path
     services = json.loads((Path(cluster["config"]).parent / "services.json").read_text())
     key = "ember:request_errors_total{code=INVALID_ARGUMENT,method=/ember.v1.Router/Generate}"
     before = scrape(services["router"]["metrics"]).get(key, 0)
@@ -489,7 +464,6 @@ def test_errors_are_counted_by_status(client, cluster):
 
 
 def test_ember_status_shows_health_load_and_kv(cluster):
-    from pathlib import Path
 
     from ember.cli import main
     run_dir = Path(cluster["config"]).parent
@@ -508,7 +482,6 @@ def test_ember_status_shows_health_load_and_kv(cluster):
 
 def test_service_logs_are_json_with_request_ids(client, cluster):
     import json
-    from pathlib import Path
     client.complete(text="Log this request.", max_tokens=3, request_id="logged-1", timeout=60)
     records = [json.loads(line) for line in (Path(cluster["config"]).parent / "router.log").read_text().splitlines()
                if line.startswith("{")]

@@ -1,6 +1,6 @@
 """The shipped configs/local.yaml as a user runs it (default weights: the GGUF's Q4_1 codes):
 disaggregated tokens equal the in-process engine's, sent alone or together, cold or cached, with
-speculation (the default there) or without."""
+speculation (the default there) or without. On the session's default cluster."""
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -8,8 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from ember.client import RouterClient
-from ember.cluster.launcher import default_config, running
-from ember.cluster.ports import on_free_ports
 from ember.engine.sampling_params import SamplingParams
 from tests.conftest import LONG_TEXT, PROMPTS
 
@@ -17,10 +15,9 @@ pytestmark = pytest.mark.slow
 NEW_TOKENS = 16
 
 
-def test_the_default_cluster_serves_the_default_engines_tokens_however_requests_arrive(tmp_path, model_path):
+def test_the_default_cluster_serves_the_default_engines_tokens_however_requests_arrive(default_cluster, model_path):
     from ember.engine.config import EngineConfig
     from ember.engine.engine import LLMEngine
-    config = on_free_ports(default_config(), tmp_path / "cluster.yaml", str(model_path))
     # plain decoding: the cluster speculates by default, and must give these very tokens
     engine = LLMEngine(EngineConfig(model=str(model_path), threads=1, kv_cache_mb=128, speculative_tokens=0))
     assert (engine.config.weights, engine.config.dtype) == ("q4", "bfloat16")  # what the cluster serves too
@@ -39,14 +36,14 @@ def test_the_default_cluster_serves_the_default_engines_tokens_however_requests_
         return client.complete(token_ids=prompts[i], max_tokens=sp.max_tokens, ignore_eos=True,
                                temperature=sp.temperature, seed=sp.seed, timeout=300, **extra)
 
-    router = config["router"]["listen"]
-    with running(tmp_path / "cluster.yaml", tmp_path, timeout_s=300), RouterClient(router) as client:
+    accepted = "ember:spec_decode_num_accepted_tokens_total"
+    before = _decode_metrics(default_cluster.run_dir).get(accepted, 0)
+    with RouterClient(default_cluster.cluster.router) as client:
         with ThreadPoolExecutor(len(prompts)) as pool:  # all at once: batched prefill and decode
             together = list(pool.map(lambda i: ask(client, i), range(len(prompts))))
         again = [ask(client, i) for i in range(len(prompts))]  # one at a time, prefixes cached now
         plain = ask(client, len(prompts) - 1, speculative=False)  # the per-request switch
-        decode_metrics = _decode_metrics(tmp_path)
-    assert decode_metrics["ember:spec_decode_num_accepted_tokens_total"] > NEW_TOKENS, "drafts were kept"
+    assert _decode_metrics(default_cluster.run_dir)[accepted] - before > NEW_TOKENS, "drafts were kept"
     assert plain.token_ids == expected[-1]
     assert [r.token_ids for r in together] == expected
     assert [r.token_ids for r in again] == expected

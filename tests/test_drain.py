@@ -3,10 +3,10 @@ calls are still served for the drain notice (so the router's 0.5 s health polls 
 first), then new calls are refused while the in-flight ones run to completion, and the process
 exits 0. Prefill and decode answer NOT_SERVING until their model is warm.
 
-One cluster for the module (router, prefill@central, decode@edge, two kvstores), launched here
-so the test holds each process and reads its exit code; the tests drain decode, prefill and the
-kvstores in turn (the router's drain: tests/test_cluster.py, a second router in front of that
-module's cluster). Every wait polls a condition against a deadline."""
+On the session's exact cluster (tests/clusters.py), whose processes this test process started, so
+it reads their exit codes: the tests drain decode, prefill and the kvstores in turn and start each
+again (the router's drain: tests/test_cluster.py, a second router in front of the same cluster).
+Every wait polls a condition against a deadline."""
 from __future__ import annotations
 
 import os
@@ -16,14 +16,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ember.cluster.launcher import credentials, service_commands, tls_env, wait_serving
-from ember.config.load import load_config
+from ember.cluster.chaos import Cluster, wait_dead
+from ember.rpc import security
 from ember.rpc.server import CHANNEL_OPTIONS, Server
 from ember.v1 import (
     common_pb2,
@@ -34,21 +33,21 @@ from ember.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from tests.cluster_fixture import write_config
+from tests.cluster_fixture import wait_until
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 NOTICE_S = Server.DRAIN_NOTICE_S
 EXIT_S = 20  # SIGTERM to exit: the notice, the in-flight calls' end, the engine core's shutdown
 
 
-CERTS: dict[str, Path] = {}  # service name -> its certificate folder (the module's cluster)
+CLUSTER: list[Cluster] = []  # the module's cluster, for dial()
 
 
 def dial(address: str, as_service: str | None = "operator", options=None) -> grpc.Channel:
     """mTLS to a service of the module's cluster with `as_service`'s certificate (None: plaintext,
     a router's public port)."""
-    from ember.rpc import security
-    return security.dial(address, None if as_service is None else security.Credentials.load(CERTS[as_service]),
+    from ember.cluster.launcher import credentials
+    return security.dial(address, None if as_service is None else credentials(CLUSTER[0].run_dir, as_service),
                          options)
 
 
@@ -59,15 +58,6 @@ def health(address: str, timeout_s: float = 0.5, as_service: str | None = "opera
             return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s).status
         except grpc.RpcError:
             return None
-
-
-def wait_until(condition: Callable[[], object], timeout_s: float, what: str, every_s: float = 0.02):
-    """`condition()`'s first truthy value; fails after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while not (value := condition()):
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(every_s)
-    return value
 
 
 def refused(call: Callable[[], object]) -> grpc.StatusCode | None:
@@ -115,147 +105,87 @@ def drain(proc: subprocess.Popen, address: str, in_flight: Future, probe: Callab
     return at
 
 
-class Cluster:
-    """The module's cluster: one process per service, held by this test (exit codes)."""
-
-    def __init__(self, run_dir: Path):
-        self.run_dir = run_dir
-        self.config = load_config(run_dir / "cluster.yaml")
-        self.commands = service_commands(self.config, run_dir / "cluster.yaml", run_dir)
-        from ember.cluster.certs import write_cluster_certs
-        write_cluster_certs(self.config, run_dir / "certs")  # as `ember up` does (tls: auto)
-        CERTS.update({p.name: p for p in (run_dir / "certs").iterdir() if p.is_dir()})
-        self.procs: dict[str, subprocess.Popen] = {}
-        self.startup: dict[str, list[tuple[float, int | None, str]]] = {}  # name -> (s, health, probe)
-
-    def address(self, name: str) -> str:
-        return self.commands[name][1]
-
-    def metrics(self, name: str) -> str:
-        argv = self.commands[name][0]
-        return argv[argv.index("--metrics-listen") + 1]
-
-    def start(self, timeout_s: float = 240) -> None:
-        env = dict(os.environ)
-        env.pop("EMBER_OMP_PASSIVE", None)
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        env.setdefault("EMBER_LOG_FORMAT", "json")
-        env["EMBER_TRACE_DIR"] = str(self.run_dir)
-        watchers = []
-        for name, (argv, _) in self.commands.items():
-            with open(self.run_dir / f"{name}.log", "ab") as log:
-                self.procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=self.run_dir,
-                                                    env={**env, **tls_env(self.config, self.run_dir, name)},
-                                                    start_new_session=True)
-            if name.startswith(("prefill", "decode")):
-                watchers.append(threading.Thread(target=self._watch_startup, args=(name, timeout_s), daemon=True))
-                watchers[-1].start()
-        deadline = time.monotonic() + timeout_s
-        for name, (_, address) in self.commands.items():
-            wait_serving(address, deadline, self.procs[name], self.run_dir / f"{name}.log",
-                         None if name == "router" else credentials(self.run_dir))
-        for w in watchers:
-            w.join(timeout=10)
-
-    def _watch_startup(self, name: str, timeout_s: float) -> None:
-        """Poll a starting engine worker's health, and a real call to it, until it is SERVING."""
-        start, seen = time.monotonic(), self.startup.setdefault(name, [])
-        address = self.address(name)
-        with dial(address, "router") as ch:
-            if name.startswith("decode"):
-                def call():
-                    decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.DecodeStatsRequest(), timeout=2)
-            else:
-                def call():
-                    prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
-                        request_id="warm-probe", token_ids=[1, 2, 3], sampling=common_pb2.SamplingParams(max_tokens=1)),
-                        timeout=30)
-            while time.monotonic() - start < timeout_s:
-                status = health(address)
-                probe = "-"
-                if status is not None:
-                    code = refused(call)
-                    probe = "ok" if code is None else code.name
-                    if probe == "ok" and status != SERVING:
-                        # the model turned warm between the health check and the call (the service
-                        # takes calls once its engine is warm and says SERVING a moment later): that
-                        # call met a warm model, so it counts as SERVING once health says so
-                        until = time.monotonic() + 2
-                        while status != SERVING and time.monotonic() < until:
-                            status = health(address)
-                seen.append((time.monotonic() - start, status, probe))
-                if status == SERVING:
-                    return
-                time.sleep(0.05)
-
-    def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 15
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-        for proc in self.procs.values():  # the whole session: a worker's engine core too
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait(timeout=10)
-
-
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, model_path):
-    run_dir = tmp_path_factory.mktemp("drain")
-    write_config(run_dir / "cluster.yaml")
-    c = Cluster(run_dir)
-    try:
-        c.start()
-        yield c
-    finally:
-        c.stop()
+def cluster(exact_cluster) -> Cluster:
+    CLUSTER[:] = [exact_cluster.cluster]
+    return exact_cluster.cluster
 
 
-def scrape(address: str) -> dict[str, float]:
-    """A service's /metrics: `name{k=v,...}` -> value."""
-    import urllib.request
+def watch_startup(cluster: Cluster, name: str, timeout_s: float = 240) -> list[tuple[float, int | None, str]]:
+    """Start engine worker `name` again and poll its health, and a real call to it, until it is SERVING:
+    (seconds, health, what the call got) per poll."""
+    seen: list[tuple[float, int | None, str]] = []
+    watcher = threading.Thread(target=_watch, args=(cluster, name, timeout_s, seen), daemon=True)
+    watcher.start()
+    cluster.restart(name, timeout_s)
+    watcher.join(timeout=10)
+    return seen
 
-    from prometheus_client.parser import text_string_to_metric_families
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=5).read().decode()
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
-            values[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
-    return values
+
+def _watch(cluster: Cluster, name: str, timeout_s: float, seen: list) -> None:
+    start = time.monotonic()
+    address = cluster.services[name]["address"]
+    with dial(address, "router") as ch:
+        if name.startswith("decode"):
+            def call():
+                decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.DecodeStatsRequest(), timeout=2)
+        else:
+            def call():
+                prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
+                    request_id="warm-probe", token_ids=[1, 2, 3], sampling=common_pb2.SamplingParams(max_tokens=1)),
+                    timeout=30)
+        while time.monotonic() - start < timeout_s:
+            status = health(address)
+            probe = "-"
+            if status is not None:
+                code = refused(call)
+                probe = "ok" if code is None else code.name
+                if probe == "ok" and status != SERVING:
+                    # the model turned warm between the health check and the call (the service
+                    # takes calls once its engine is warm and says SERVING a moment later): that
+                    # call met a warm model, so it counts as SERVING once health says so
+                    until = time.monotonic() + 2
+                    while status != SERVING and time.monotonic() < until:
+                        status = health(address)
+            seen.append((time.monotonic() - start, status, probe))
+            if status == SERVING:
+                return
+            time.sleep(0.05)
+
+
+def process(cluster: Cluster, name: str) -> subprocess.Popen:
+    """Service `name`'s process (the session pool started it from this process)."""
+    from ember.cluster.launcher import child
+    proc = child(cluster.pid(name))
+    assert proc is not None, f"{name} was not started by this process"
+    return proc
+
+
+STARTUPS: dict[str, list] = {}  # engine worker -> its watched start-up (watch_startup) after its drain
+
+
+@pytest.fixture
+def restarts(cluster):
+    """Each test starts what it drained again (serving, counted live) before the next one runs; an
+    engine worker's start is watched (test_an_engine_worker_is_not_serving_until_its_model_is_warm)."""
+    drained: list[str] = []
+    yield drained
+    for name in drained:
+        if cluster.alive(name):  # the test failed before its drain ended
+            wait_dead(cluster.kill(name))
+        if name.startswith(("prefill", "decode")):
+            STARTUPS[name] = watch_startup(cluster, name)
+        else:
+            cluster.restart(name)
 
 
 def router_sees(cluster: Cluster, name: str) -> Callable[[], bool]:
-    role, site = name.split("-", 1)
-    key = f"ember:worker_live{{address={cluster.address(name)},role={role},site={site}}}"
-    return lambda: scrape(cluster.metrics("router")).get(key) == 1.0
+    return lambda: cluster.router_sees(name) == 1.0
 
 
-@pytest.mark.parametrize("name", ["prefill-central", "decode-edge"])
-def test_an_engine_worker_is_not_serving_until_its_model_is_warm(cluster, name):
-    seen = cluster.startup[name]
-    answered = [(t, status, probe) for t, status, probe in seen if status is not None]
-    assert answered, seen
-    first, last = answered[0], answered[-1]
-    assert first[1] == NOT_SERVING and last[1] == SERVING, answered
-    cold = [a for a in answered if a[1] == NOT_SERVING]
-    # it listens at once and says NOT_SERVING through the model's load; calls meanwhile are
-    # UNAVAILABLE (retry elsewhere), never served half-warm; once SERVING it serves
-    served_cold = [a for a in cold if a[2] not in ("UNAVAILABLE", "-")]
-    assert not served_cold, served_cold
-    assert any(probe == "UNAVAILABLE" for _, _, probe in cold), cold
-    assert answered.index(last) == len(answered) - 1 and last[2] == "ok", answered
-
-
-def test_sigterm_drains_decode(cluster):
-    name, address = "decode-edge", cluster.address("decode-edge")
+def test_sigterm_drains_decode(cluster, restarts):
+    name = "decode-edge"
+    address = cluster.services[name]["address"]
     ids = list(range(100, 140))
 
     def stream() -> list[decode_pb2.DecodeResponse]:
@@ -274,14 +204,16 @@ def test_sigterm_drains_decode(cluster):
     with ThreadPoolExecutor(1) as pool:
         in_flight = pool.submit(stream)
         first.result(timeout=60)
-        at = drain(cluster.procs[name], address, in_flight, probe, router_sees(cluster, name))
+        restarts.append(name)
+        at = drain(process(cluster, name), address, in_flight, probe, router_sees(cluster, name))
         out = in_flight.result()
     assert sum(len(m.token_ids) for m in out) == 50 and out[-1].finished, "the in-flight stream ran to completion"
     print(name, at)
 
 
-def test_sigterm_drains_prefill(cluster):
-    name, address = "prefill-central", cluster.address("prefill-central")
+def test_sigterm_drains_prefill(cluster, restarts):
+    name = "prefill-central"
+    address = cluster.services[name]["address"]
     prompts = [[100 + (i * 7919 + j * 31) % 40000 for j in range(512)] for i in range(2)]  # uncached
 
     def prefill(i: int) -> prefill_pb2.PrefillResponse:
@@ -305,7 +237,7 @@ def test_sigterm_drains_prefill(cluster):
                    for line in f.read_text().splitlines() if '"SERVER"' in line)
     # The in-flight calls are held at their write-back (a frozen site kvstore) until the refusal is
     # seen, so however fast this machine computes, they are still running when new calls are refused.
-    store = cluster.procs["kvstore-central"]
+    store = process(cluster, "kvstore-central")
     before = store_reads()
     with ThreadPoolExecutor(3) as pool:
         calls = [pool.submit(prefill, i) for i in range(len(prompts))]
@@ -313,7 +245,8 @@ def test_sigterm_drains_prefill(cluster):
         store.send_signal(signal.SIGSTOP)
         try:
             in_flight = pool.submit(lambda: [c.result() for c in calls])
-            at = drain(cluster.procs[name], address, in_flight, probe, router_sees(cluster, name),
+            restarts.append(name)
+            at = drain(process(cluster, name), address, in_flight, probe, router_sees(cluster, name),
                        finish=lambda: store.send_signal(signal.SIGCONT))
         finally:
             store.send_signal(signal.SIGCONT)
@@ -323,13 +256,14 @@ def test_sigterm_drains_prefill(cluster):
 
 
 @pytest.mark.parametrize("name", ["kvstore-edge", "kvstore-central"])
-def test_sigterm_drains_a_kvstore(cluster, name):
+def test_sigterm_drains_a_kvstore(cluster, restarts, name):
     from ember.config.derived import model_facts
+    from ember.config.load import load_config
     from ember.kv import wire
     from ember.kv.block_hash import root_hash
     from ember.kv.chunks import split
-    address = cluster.address(name)
-    layout = model_facts(cluster.config).kv_layout  # frames of the cluster's own model
+    address = cluster.services[name]["address"]
+    layout = model_facts(load_config(cluster.run_dir / "cluster.yaml")).kv_layout  # the cluster's own model's frames
     template = wire.layout_header(layout, root_hash(layout))
     hashes = [os.urandom(16) for _ in range(4)]
     blocks = [(h, wire.encode_frame(template, h, bytes(layout.block_bytes))) for h in hashes]
@@ -351,6 +285,27 @@ def test_sigterm_drains_a_kvstore(cluster, name):
     with ThreadPoolExecutor(1) as pool:
         in_flight = pool.submit(put)
         wait_until(lambda: stats().blocks_put > before, 10, "the Put's first block stored (the call is open)")
-        at = drain(cluster.procs[name], address, in_flight, stats, finish=release.set)
+        restarts.append(name)
+        at = drain(process(cluster, name), address, in_flight, stats, finish=release.set)
         assert in_flight.result().blocks_stored == len(blocks), "the in-flight Put ran to completion"
     print(name, at)
+
+
+@pytest.mark.parametrize("name", ["prefill-central", "decode-edge"])
+def test_an_engine_worker_is_not_serving_until_its_model_is_warm(cluster, name):
+    """Watched as its drain test above started it again; run alone, it kills and starts it itself."""
+    seen = STARTUPS.get(name)
+    if seen is None:
+        wait_dead(cluster.kill(name))
+        seen = watch_startup(cluster, name)
+    answered = [(t, status, probe) for t, status, probe in seen if status is not None]
+    assert answered, seen
+    first, last = answered[0], answered[-1]
+    assert first[1] == NOT_SERVING and last[1] == SERVING, answered
+    cold = [a for a in answered if a[1] == NOT_SERVING]
+    # it listens at once and says NOT_SERVING through the model's load; calls meanwhile are
+    # UNAVAILABLE (retry elsewhere), never served half-warm; once SERVING it serves
+    served_cold = [a for a in cold if a[2] not in ("UNAVAILABLE", "-")]
+    assert not served_cold, served_cold
+    assert any(probe == "UNAVAILABLE" for _, _, probe in cold), cold
+    assert answered.index(last) == len(answered) - 1 and last[2] == "ok", answered

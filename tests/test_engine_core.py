@@ -22,6 +22,7 @@ from ember.kv.block_hash import chain_hashes
 from ember.serving.engine_client import InProcessEngineClient, SubprocessEngineClient
 from ember.serving.engine_core import EngineCore
 from ember.serving.messages import AddRequest, KVPlan
+from tests.cluster_fixture import AT_ONCE_S
 from tests.conftest import LONG_TEXT, PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -79,7 +80,7 @@ def test_subprocess_core_errors_keep_their_status(model_path):
     run(go())
 
 
-def test_killing_the_engine_core_fails_streams_within_two_seconds(model_path):
+def test_killing_the_engine_core_fails_streams_at_once(model_path):
     async def go():
         died = asyncio.Event()
         remote = await SubprocessEngineClient.start(EngineConfig(model=str(model_path), threads=1,
@@ -92,8 +93,9 @@ def test_killing_the_engine_core_fails_streams_within_two_seconds(model_path):
         with pytest.raises(RpcError) as e:
             async for _ in stream:
                 pass
-        assert e.value.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - killed < 2.0
-        await asyncio.wait_for(died.wait(), 2.0)
+        failed_after_s = time.monotonic() - killed
+        assert e.value.code == grpc.StatusCode.UNAVAILABLE and failed_after_s < AT_ONCE_S, failed_after_s
+        await asyncio.wait_for(died.wait(), AT_ONCE_S)
         assert not remote.alive
         with pytest.raises(RpcError):  # new requests are refused at once, not queued forever
             await collect(remote, [1, 2, 3], request_id="next")
@@ -249,31 +251,36 @@ def test_a_follow_up_turn_reads_its_history_through_from_the_site_kvstore(make_e
     run(go())
 
 
-def test_a_killed_engine_core_makes_its_service_not_serving_and_streams_unavailable(tmp_path, model_path):
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
+def test_a_killed_engine_core_makes_its_service_not_serving_and_streams_unavailable(exact_cluster):
+    """On the session's exact cluster; the decode worker is started again after (its service stays up
+    without a core: NOT_SERVING)."""
     from ember.client import RouterClient
-    from ember.cluster.launcher import running
-    from tests.cluster_fixture import dial, write_config
-    addr = write_config(tmp_path / "cluster.yaml")
-    with running(tmp_path / "cluster.yaml", tmp_path, timeout_s=240), RouterClient(addr["router"]) as client:
-        [decode] = [p for p in psutil.process_iter(["cmdline"]) if "ember.services.decode" in (p.info["cmdline"] or [])
-                    and str(tmp_path) in " ".join(p.info["cmdline"])]
-        [core] = [c for c in decode.children() if "ember.serving.core_process" in c.cmdline()]
-        stream = client.stream(text="Count slowly: one, two, three,", max_tokens=2000, ignore_eos=True, timeout=120)
-        next(stream), next(stream)  # decoding at the edge
-        core.kill()
-        killed = time.monotonic()
-        with pytest.raises(grpc.RpcError) as e:
-            for _ in stream:
-                pass
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() - killed < 2.0
-        with dial(addr | {"config": str(tmp_path / "cluster.yaml")}, "decode") as ch:
-            deadline = time.monotonic() + 2
-            while (status := health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5).status) \
-                    != health_pb2.HealthCheckResponse.NOT_SERVING:
-                assert time.monotonic() < deadline, status
-                time.sleep(0.05)
+    from ember.cluster.chaos import wait_dead
+    from ember.cluster.status import health
+    from tests.cluster_fixture import wait_until
+    cluster = exact_cluster.cluster
+    decode = psutil.Process(cluster.pid("decode-edge"))
+    [core] = [c for c in decode.children() if "ember.serving.core_process" in c.cmdline()]
+    try:
+        with RouterClient(cluster.router) as client:
+            stream = client.stream(text="Count slowly: one, two, three,", max_tokens=2000, ignore_eos=True,
+                                   timeout=120)
+            next(stream), next(stream)  # decoding at the edge
+            core.kill()
+            killed = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                for _ in stream:
+                    pass
+            failed_after_s = time.monotonic() - killed
+        # an event, not a hang: the stream fails as the core's socket closes (well under a second on a
+        # quiet host), never at its 120 s deadline
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE and failed_after_s < AT_ONCE_S, failed_after_s
+        address = cluster.services["decode-edge"]["address"]
+        wait_until(lambda: health(address, cluster.credentials) == "NOT_SERVING", AT_ONCE_S,
+                   "decode says NOT_SERVING once its engine core is dead")
+    finally:
+        wait_dead(cluster.kill("decode-edge"))
+        cluster.restart("decode-edge")
 
 
 def test_the_waiting_queue_is_bounded_and_a_queued_request_past_its_deadline_is_never_computed(make_engine):

@@ -2,7 +2,7 @@
 block hash, the real root hash and a valid XXH3 checksum, but no valid MAC, that a writer puts
 into the edge kvstore is refused by decode (never imported), and the request whose prefix it is
 still gets the reference tokens. Frames signed with the cluster's key are imported, so the
-refusal is the MAC's doing. One cluster for the module."""
+refusal is the MAC's doing. On the session's exact cluster (its prompts are this module's own)."""
 from __future__ import annotations
 
 import time
@@ -10,10 +10,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-import yaml
 
 from ember.client import RouterClient
-from ember.cluster.launcher import credentials, running
+from ember.cluster.launcher import credentials
 from ember.engine.sampling_params import SamplingParams
 from ember.kv import wire
 from ember.kv.block_hash import chain_hashes
@@ -21,24 +20,17 @@ from ember.kv.chunks import split
 from ember.rpc import security
 from ember.rpc.server import CHANNEL_OPTIONS
 from ember.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
-from tests.cluster_fixture import write_config
 from tests.conftest import LONG_TEXT
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory, model_path):
-    run_dir = tmp_path_factory.mktemp("forgery")
-    path = run_dir / "cluster.yaml"
-    addr = write_config(path)
-    config = yaml.safe_load(path.read_text())
-    config["security"] = {"tls": "auto"}  # said here: the test needs the MAC key, whatever the default
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    with running(path, run_dir, timeout_s=240):
-        as_ = {name: credentials(run_dir, name) for name in ("operator", "router", "prefill-central")}
-        assert all(as_.values()), f"tls: auto made no certificates under {run_dir / 'certs'}"
-        mac_key = (run_dir / "certs" / "prefill-central" / "kv-mac.key").read_bytes()
-        assert not (run_dir / "certs" / "kvstore-edge" / "kv-mac.key").exists(), "kvstores never hold the key"
-        yield addr | {"run_dir": run_dir, "creds": as_, "mac_key": mac_key}
+def cluster(shared_cluster):
+    run_dir = Path(shared_cluster["run_dir"])
+    as_ = {name: credentials(run_dir, name) for name in ("operator", "router", "prefill-central")}
+    assert all(as_.values()), f"the cluster (tls: auto, the default) made no certificates under {run_dir / 'certs'}"
+    mac_key = (run_dir / "certs" / "prefill-central" / "kv-mac.key").read_bytes()
+    assert not (run_dir / "certs" / "kvstore-edge" / "kv-mac.key").exists(), "kvstores never hold the key"
+    return shared_cluster | {"creds": as_, "mac_key": mac_key}
 
 
 def put(cluster, frames: list[tuple[bytes, bytes]]) -> int:

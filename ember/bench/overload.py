@@ -66,6 +66,7 @@ async def _streams(router: str, ids: list[list[int]], max_tokens: int) -> list[d
                     tokens += m.token_ids
                     final = m
                 return {"ok": final is not None and final.finished, "ttft_s": first, "tokens": tokens,
+                        "e2e_s": time.perf_counter() - start,
                         "server_ttft_s": final.timings.ttft_s if final is not None else None}
             except grpc.aio.AioRpcError as e:
                 metadata = dict(e.trailing_metadata() or ())
@@ -112,6 +113,7 @@ def measure(router: str, router_pid: int, tok, capacity: int = 8, clients: int =
                           "p50": round(statistics.median(s["after_s"] for s in refused), 4) if refused else None},
             "refused_within_100ms": sum(s["after_s"] <= 0.1 for s in refused),
             "accepted_ttft_s": sorted(round(burst[i]["ttft_s"], 4) for i in accepted),
+            "accepted_e2e_s": sorted(round(burst[i]["e2e_s"], 4) for i in accepted),
             "accepted_server_ttft_s": sorted(round(burst[i]["server_ttft_s"], 4) for i in accepted),
             "accepted_ttft_p99_s": round(acc, 4) if acc is not None else None,
             "accepted_correct": all(burst[i]["tokens"] == references[i] and len(references[i]) == max_tokens

@@ -4,8 +4,10 @@
 service with SIGKILL (its engine core must follow on its own: the pids returned include it),
 restart it from its recorded argv and wait until it serves and, for a worker, until the router's
 /metrics count it live (`ember:worker_live{role,site,address}`), read decode and kvstore stats,
-and check that a cluster settled (no sequence running or waiting, no block used, no lease held).
-`run_streams` runs N concurrent router streams with a callback while they run and records when
+and check that a cluster settled (no sequence running or waiting, no block used, no lease held);
+`reset` brings a cluster back to its start state and proves it, `second_router` puts another router
+in front of its workers. Services this process started are its children: `wait_exit` reads their
+exit codes. `run_streams` runs N concurrent router streams with a callback while they run and records when
 each token arrived; `set_faults` switches the chaos relay's fault modes (faults.json).
 Every wait has a deadline; none is a fixed sleep.
 """
@@ -16,16 +18,18 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import psutil
+import yaml
 
 from ember.client import RouterClient
-from ember.cluster.launcher import credentials, wait_serving
+from ember.cluster.launcher import child, credentials, spawn, wait_serving
 from ember.cluster.status import scrape
 from ember.rpc import security
 from ember.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc, router_pb2
@@ -70,25 +74,90 @@ class Cluster:
         start = time.monotonic()
         info = self.services[name]
         log = self.run_dir / f"{name}.log"
-        env = dict(os.environ)
-        env.pop("EMBER_OMP_PASSIVE", None)
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-        env.setdefault("EMBER_LOG_FORMAT", "json")
-        env.update(info.get("env", {}))  # its certificate folder
-        with open(log, "ab") as out:
-            proc = subprocess.Popen(info["argv"], stdout=out, stderr=subprocess.STDOUT, cwd=self.run_dir, env=env,
-                                    start_new_session=True)
+        proc = spawn(self.run_dir, name, info["argv"], info.get("env", {}))  # (env: its certificate folder)
         pids = json.loads((self.run_dir / "pids.json").read_text())
+        if (old := child(pids.get(name, -1))) is not None:
+            old.poll()  # reap the process it replaces (killed), if it was ours
         pids[name] = proc.pid
         tmp = self.run_dir / "pids.json.tmp"
         tmp.write_text(json.dumps(pids))
         tmp.replace(self.run_dir / "pids.json")
-        wait_serving(info["address"], start + timeout_s, proc, log, None if name == "router" else self.credentials)
+        if info["address"] is not None:  # (the links relay serves no gRPC)
+            wait_serving(info["address"], start + timeout_s, proc, log,
+                         None if name == "router" else self.credentials)
         out = {"serving_s": time.monotonic() - start}
         if info["role"] in ("prefill", "decode"):
             self.wait_router_sees(name, live=True)
             out["router_live_s"] = time.monotonic() - start
         return out
+
+    def alive(self, name: str) -> bool:
+        """Whether service `name`'s process runs (a zombie is dead)."""
+        pid = self.pid(name)
+        if (proc := child(pid)) is not None:
+            return proc.poll() is None
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    def wait_exit(self, name: str, timeout_s: float = 30) -> int:
+        """Service `name`'s exit code once it exits (it must have been started by this process)."""
+        proc = child(self.pid(name))
+        if proc is None:
+            raise LookupError(f"{name} was not started by this process: its exit code is not this process's to read")
+        return proc.wait(timeout=timeout_s)
+
+    def serving(self, name: str) -> bool:
+        """Whether service `name` answers its health check SERVING (the links relay: whether it runs)."""
+        from ember.cluster.status import health
+        info = self.services[name]
+        if info["address"] is None:
+            return self.alive(name)
+        return health(info["address"], None if name == "router" else self.credentials) == "SERVING"
+
+    def reset(self, timeout_s: float = 120) -> list[str]:
+        """Back to the state the cluster started in, proven: every service that is down or not serving
+        (a worker whose engine core died) started again, every link healed, every worker counted live
+        by the router, and nothing left over (no sequence running or waiting anywhere, no block used at
+        decode, no lease held). The names of the services it had to start again."""
+        restarted = [name for name in self.services if not self.alive(name) or not self.serving(name)]
+        for name in restarted:
+            if self.alive(name):
+                wait_dead(self.kill(name))
+            self.restart(name, timeout_s)
+        if (self.run_dir / "faults.json").exists():
+            self.set_faults({})
+        for name in self.names("prefill") + self.names("decode"):
+            self.wait_router_sees(name, live=True, timeout_s=timeout_s)
+        self.settle(self.names("decode"), timeout_s)
+        return restarted
+
+    @contextmanager
+    def second_router(self, folder: Path, **settings) -> Iterator[tuple[dict, subprocess.Popen]]:
+        """Another router in front of this cluster's workers, for the `with` block: the cluster's config
+        with a router section of its own (fresh ports for its gRPC, internal and, where the cluster
+        serves one, HTTP listeners; `settings` on top), holding the cluster's router certificate. It
+        logs to FOLDER/router-2.log; killed after the block unless it exited. Yields its router
+        section and its process. (The kvstores publish to the first router: its block directory
+        stays empty.)"""
+        from ember.cluster.ports import free_port
+        argv = self.services["router"]["argv"]
+        data = yaml.safe_load(Path(argv[argv.index("--config") + 1]).read_text())
+        ports = {key: f"127.0.0.1:{free_port()}" for key in ("listen", "internal", "http")
+                 if key != "http" or data["router"].get("http")}
+        data["router"] = {**data["router"], **ports, **settings}
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "router-2.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+        proc = spawn(folder, "router-2", [*argv[:3], "--config", str(folder / "router-2.yaml")],
+                     self.services["router"].get("env", {}))
+        try:
+            wait_serving(data["router"]["listen"], time.monotonic() + 120, proc, folder / "router-2.log")
+            yield data["router"], proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=20)
 
     def router_sees(self, name: str) -> float | None:
         """The router's `ember:worker_live` for worker `name` (1.0 live, 0.0 down, None unknown)."""
@@ -121,18 +190,27 @@ class Cluster:
                 total += kvstore_pb2_grpc.KVStoreStub(ch).Stats(kvstore_pb2.StatsRequest(), timeout=10).leases
         return total
 
+    def prefill_load(self) -> dict[str, float]:
+        """Sequences running or waiting at each prefill worker (its /metrics)."""
+        load = {}
+        for name in self.names("prefill"):
+            m = scrape(self.services[name]["metrics"])
+            load[name] = m.get("ember:num_requests_running", 0) + m.get("ember:num_requests_waiting", 0)
+        return load
+
     def settle(self, names: list[str], timeout_s: float = 90) -> float:
-        """Until no sequence runs or waits and no block is used on decode workers `names`, and no
-        kvstore holds a lease. Seconds waited; TimeoutError with what was left."""
+        """Until no sequence runs or waits and no block is used on decode workers `names`, nothing runs
+        or waits at prefill, and no kvstore holds a lease. Seconds waited; TimeoutError with what was left."""
         start = time.monotonic()
         while True:
             stats = [self.decode_stats(n) for n in names]
-            leases = self.leases()
-            if all(s.running == 0 and s.waiting == 0 and s.used_blocks == 0 for s in stats) and leases == 0:
+            leases, prefill = self.leases(), self.prefill_load()
+            if all(s.running == 0 and s.waiting == 0 and s.used_blocks == 0 for s in stats) and leases == 0 \
+                    and not any(prefill.values()):
                 return time.monotonic() - start
             if time.monotonic() - start > timeout_s:
-                raise TimeoutError(f"not settled: {stats}, leases {leases}")
-            time.sleep(0.2)
+                raise TimeoutError(f"not settled: {stats}, leases {leases}, prefill {prefill}")
+            time.sleep(0.1)
 
     def log_lines(self, name: str) -> list[str]:
         return (self.run_dir / f"{name}.log").read_text(errors="replace").splitlines()

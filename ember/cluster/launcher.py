@@ -140,6 +140,37 @@ def credentials(run_dir: str | Path | None = None, name: str = "operator") -> se
     return security.Credentials.load(folder) if (folder / "tls.crt").is_file() else None
 
 
+def service_env(run_dir: Path) -> dict[str, str]:
+    """The environment every service of a local cluster runs with (before its certificate folder)."""
+    env = dict(os.environ)
+    env.pop("EMBER_OMP_PASSIVE", None)  # the cluster's processes share cores: they always wait passively
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env.setdefault("EMBER_LOG_FORMAT", "json")  # one JSON object per line, with request ids
+    if not env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
+        env.setdefault("EMBER_TRACE_DIR", str(run_dir))  # spans as JSON lines beside the logs
+    return env
+
+
+# Every service process this process started (pid -> Popen), so that its exit code can be read
+# (ember.cluster.chaos.Cluster.wait_exit) and no one else's poll reaps it first.
+_children: dict[int, subprocess.Popen] = {}
+
+
+def spawn(run_dir: Path, name: str, argv: list[str], extra_env: dict[str, str]) -> subprocess.Popen:
+    """Start service `name` of the cluster in `run_dir` in its own session (it outlives its starter),
+    appending to RUN_DIR/<name>.log."""
+    with open(run_dir / f"{name}.log", "ab") as log:
+        proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir,
+                                env={**service_env(run_dir), **extra_env}, start_new_session=True)
+    _children[proc.pid] = proc
+    return proc
+
+
+def child(pid: int) -> subprocess.Popen | None:
+    """The Popen of a service this process spawned, by pid (None: someone else's)."""
+    return _children.get(pid)
+
+
 def wait_serving(address: str, deadline: float, proc: subprocess.Popen, log_path: Path,
                  creds: security.Credentials | None = None) -> None:
     with security.dial(address, creds) as ch:
@@ -168,12 +199,6 @@ def up(config_path: str | Path | None = None, run_dir: str | Path | None = None,
     run_dir.mkdir(parents=True, exist_ok=True)
     if (run_dir / "pids.json").exists():
         down(run_dir)
-    env = dict(os.environ)
-    env.pop("EMBER_OMP_PASSIVE", None)  # the cluster's processes share cores: they always wait passively
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    env.setdefault("EMBER_LOG_FORMAT", "json")  # one JSON object per line, with request ids
-    if not env.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
-        env.setdefault("EMBER_TRACE_DIR", str(run_dir))  # spans as JSON lines beside the logs
     procs: dict[str, subprocess.Popen] = {}
     commands = service_commands(config, config_path, run_dir)
     if config.security.tls == "auto":  # a throwaway CA per run: nothing of an earlier run is trusted
@@ -182,9 +207,7 @@ def up(config_path: str | Path | None = None, run_dir: str | Path | None = None,
         write_cluster_certs(config, run_dir / "certs")
     try:
         for name, (argv, _) in commands.items():
-            with open(run_dir / f"{name}.log", "ab") as log:
-                procs[name] = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=run_dir,
-                                               env={**env, **tls_env(config, run_dir, name)}, start_new_session=True)
+            procs[name] = spawn(run_dir, name, argv, tls_env(config, run_dir, name))
             (run_dir / "pids.json").write_text(json.dumps({n: p.pid for n, p in procs.items()}))
         specs = {svc.name: svc for svc in services(config)}
         (run_dir / "services.json").write_text(json.dumps(  # for `ember status`, restarts and tests
@@ -228,6 +251,8 @@ def down(run_dir: str | Path | None = None, grace_s: float = 15) -> list[str]:
         time.sleep(0.1)
     for pid in pids.values():
         _signal(pid, signal.SIGKILL)
+        if (proc := _children.pop(pid, None)) is not None:
+            proc.wait(timeout=10)
     pid_file.unlink()
     return list(pids)
 
@@ -240,6 +265,8 @@ def _signal(pid: int, sig: int) -> None:
 
 
 def _alive(pid: int) -> bool:
+    if (proc := _children.get(pid)) is not None:
+        return proc.poll() is None
     try:
         finished, _ = os.waitpid(pid, os.WNOHANG)  # reap it if it is our child
         if finished:
