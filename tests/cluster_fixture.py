@@ -2,6 +2,8 @@
 services, and waiting on a condition with a deadline."""
 from __future__ import annotations
 
+import asyncio
+import inspect
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -9,7 +11,7 @@ from pathlib import Path
 from ember.cluster.ports import free_port, write_local_config
 from ember.model.fetch import DEFAULT_MODEL_PATH
 
-__all__ = ["AT_ONCE_S", "dial", "free_port", "wait_until", "write_config"]
+__all__ = ["AT_ONCE_S", "dial", "free_port", "wait_until", "wait_until_async", "write_config"]
 
 # "At once", for what a test observes through real processes on a loaded 2-core CI host: far past any
 # scheduling stall seen there (0.5 s), far short of the timeouts a hang would run into (30 s and up).
@@ -43,3 +45,17 @@ def wait_until(condition: Callable[[], object], timeout_s: float, what: str, eve
         assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
         time.sleep(every_s)
     return value
+
+
+async def wait_until_async(condition: Callable[[], object], timeout_s: float, what: str, every_s: float = 0.02):
+    """wait_until inside an event loop: `condition()` (or what it returns, awaited, when that is a
+    coroutine) polled without blocking the loop."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if inspect.isawaitable(value):
+            value = await value
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
+        await asyncio.sleep(every_s)

@@ -12,14 +12,17 @@ import grpc
 import pytest
 
 from ember.client import RouterClient
+from ember.cluster import traces
 from ember.cluster.launcher import wait_serving
+from ember.cluster.status import scrape
+from ember.cluster.traces import request_spans
 from ember.engine.sampling_params import SamplingParams
 from ember.kv import wire
 from ember.kv.block_hash import chain_hashes
 from ember.kv.chunks import split
 from ember.rpc.server import CHANNEL_OPTIONS
 from ember.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
-from tests.cluster_fixture import dial, write_config
+from tests.cluster_fixture import AT_ONCE_S, dial, wait_until, write_config
 from tests.conftest import LONG_TEXT, PROMPTS
 
 
@@ -178,22 +181,14 @@ def test_unknown_model_is_not_found(cluster):
 
 def spans_of(cluster, request_id: str, service: str, timeout_s: float = 10) -> list[dict]:
     """The SERVER spans `service` exported for `request_id` (ember.request_id), once there are any."""
-    import json
-    run_dir = Path(cluster["config"]).parent
-    deadline = time.monotonic() + timeout_s
-    while True:
-        spans = [json.loads(line) for f in run_dir.glob(f"{service}-*.jsonl") for line in f.read_text().splitlines()]
-        found = [s for s in spans if s["kind"] == "SERVER" and s["attributes"].get("ember.request_id") == request_id]
-        if found:
-            return found
-        assert time.monotonic() < deadline, f"{service} exported no span for {request_id}"
-        time.sleep(0.05)
+    return wait_until(lambda: request_spans(cluster["run_dir"], request_id, service), timeout_s,
+                      f"{service} exporting a span for {request_id}")
 
 
 def aborted(cluster, reason: str) -> float:
     import json
     services = json.loads((Path(cluster["config"]).parent / "services.json").read_text())
-    return scrape(services["decode-edge"]["metrics"]).get(f"ember:requests_aborted_total{{reason={reason}}}", 0)
+    return scrape(services["decode-edge"]["metrics"]).get(f'ember:requests_aborted_total{{reason="{reason}"}}', 0)
 
 
 def test_the_clients_deadline_reaches_prefill_and_decode_and_ends_the_stream_there(client, cluster):
@@ -205,9 +200,9 @@ def test_the_clients_deadline_reaches_prefill_and_decode_and_ends_the_stream_the
     with pytest.raises(grpc.RpcError) as e:
         list(client.stream(text="Count from one to one thousand:", max_tokens=2000, ignore_eos=True,
                            request_id="deadline-1", timeout=timeout_s))
-    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert time.monotonic() - start < timeout_s + 1
-    wait_for_idle_decode(cluster, timeout_s=2)
+    ended_s = time.monotonic() - start
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and ended_s < timeout_s + AT_ONCE_S, ended_s
+    wait_for_idle_decode(cluster, timeout_s=AT_ONCE_S)
     [prefill] = spans_of(cluster, "deadline-1", "prefill")
     [decode] = spans_of(cluster, "deadline-1", "decode")
     got_prefill, got_decode = prefill["attributes"]["ember.deadline_s"], decode["attributes"]["ember.deadline_s"]
@@ -215,7 +210,7 @@ def test_the_clients_deadline_reaches_prefill_and_decode_and_ends_the_stream_the
     assert 0 < got_decode < got_prefill <= timeout_s + 0.1, (got_prefill, got_decode)
     # decode was called once prefill had answered: its deadline is prefill's, less the time gone by
     gap_s = (decode["start_ns"] - prefill["start_ns"]) / 1e9
-    assert abs(got_decode - (got_prefill - gap_s)) < 0.3, (got_prefill, got_decode, gap_s)
+    assert abs(got_decode - (got_prefill - gap_s)) < 1.0, (got_prefill, got_decode, gap_s)
     assert decode["attributes"]["ember.aborted"] == "deadline" and "ember.finish_reason" not in decode["attributes"]
     assert decode["attributes"]["ember.tokens_sent"] < 2000
     assert aborted(cluster, "deadline") - before == 1
@@ -234,21 +229,16 @@ def test_client_cancel_mid_stream_aborts_the_sequence_at_decode_at_once(client, 
     assert busy.running == 1 and busy.used_blocks > 0
     cancelled_at = time.monotonic()
     stream.cancel()
-    wait_for_idle_decode(cluster, timeout_s=2)  # sequence and blocks freed
-    assert time.monotonic() - cancelled_at < 2
+    wait_for_idle_decode(cluster, timeout_s=AT_ONCE_S)  # sequence and blocks freed, at once (not after 2000 tokens)
+    print(f"decode idle {time.monotonic() - cancelled_at:.2f} s after the cancel")
     [decode] = spans_of(cluster, "cancel-1", "decode")
     assert decode["attributes"]["ember.aborted"] == "cancelled" and decode["attributes"]["ember.tokens_sent"] < 2000
     assert aborted(cluster, "cancelled") - before == 1
 
 
 def wait_for_idle_decode(cluster: dict, timeout_s: float = 20) -> None:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        s = decode_stats(cluster)
-        if s.running == 0 and s.waiting == 0 and s.used_blocks == 0:
-            return
-        assert time.monotonic() < deadline, f"decode did not return to idle within {timeout_s} s: {s}"
-        time.sleep(0.05)
+    wait_until(lambda: (s := decode_stats(cluster)).running == 0 and s.waiting == 0 and s.used_blocks == 0,
+               timeout_s, "decode back to idle (no sequence running or waiting, no block used)")
 
 
 def test_decode_refuses_a_block_made_for_another_model_imports_nothing_and_recomputes(cluster, engine):
@@ -371,21 +361,13 @@ def test_sigterm_drains_the_router(exact_cluster, tmp_path, engine):
 
 
 def test_one_request_is_one_trace_across_all_four_services(client, cluster, engine):
-    import json
     run_dir = Path(cluster["config"]).parent
     ids = engine.tokenizer.encode("Tracing one request through every service: " + LONG_TEXT[:500])
     out = client.complete(token_ids=ids, max_tokens=4, request_id="traced-1", timeout=120)
     assert len(out.token_ids) == 4
 
-    def spans():
-        return [json.loads(line) for f in run_dir.glob("*.jsonl") for line in f.read_text().splitlines()]
-    deadline = time.monotonic() + 10
-    while not (roots := [s for s in spans() if s["attributes"].get("ember.request_id") == "traced-1"
-                         and s["service"] == "router" and s["kind"] == "SERVER"]):
-        assert time.monotonic() < deadline, "the router's span was not exported"
-        time.sleep(0.2)
-    [root] = roots
-    trace = [s for s in spans() if s["trace_id"] == root["trace_id"]]
+    [root] = wait_until(lambda: request_spans(run_dir, "traced-1", "router"), 10, "the router's span exported")
+    trace = traces.trace(run_dir, root["trace_id"])
     services = {s["service"] for s in trace}
     assert {"router", "prefill", "kvstore-central", "kvstore-edge", "decode"} <= services, services
     by_id = {s["span_id"]: s for s in trace}
@@ -412,19 +394,6 @@ def test_one_request_is_one_trace_across_all_four_services(client, cluster, engi
     assert root["attributes"]["ember.completion_tokens"] == 4
 
 
-def scrape(address: str) -> dict[str, float]:
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-    text = urllib.request.urlopen(f"http://{address}/metrics", timeout=10).read().decode()
-    values = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-            values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-    return values
-
-
 def test_metrics_move_with_a_request(client, cluster, engine):
     import json
     services = json.loads((Path(cluster["config"]).parent / "services.json").read_text())
@@ -442,13 +411,13 @@ def test_metrics_move_with_a_request(client, cluster, engine):
     assert moved("router", "ember:time_per_output_token_seconds_count") == 1
     assert moved("router", "ember:generation_tokens_total") == 5
     assert moved("router", "ember:prompt_tokens_total") == len(ids)
-    assert moved("router", "ember:request_success_total{finished_reason=length}") == 1
+    assert moved("router", 'ember:request_success_total{finished_reason="length"}') == 1
     assert moved("router", "ember:inter_token_latency_seconds_count") >= 1
     assert moved("prefill-central", "ember:prefix_cache_queries_total") == len(ids)
     assert moved("decode-edge", "ember:prefix_cache_hits_total") >= len(ids) // 16 * 16
     assert "ember:kv_cache_usage_perc" in after["decode-edge"] and "ember:num_requests_running" in after["decode-edge"]
-    assert moved("kvstore-central", "ember:kvstore_bytes_in_total{via=put}") > 0
-    assert moved("kvstore-edge", "ember:kvstore_bytes_in_total{via=pull}") > 0
+    assert moved("kvstore-central", 'ember:kvstore_bytes_in_total{via="put"}') > 0
+    assert moved("kvstore-edge", 'ember:kvstore_bytes_in_total{via="pull"}') > 0
     assert moved("kvstore-central", "ember:kvstore_bytes_out_total") > 0
     assert moved("kvstore-edge", "ember:kvstore_pull_throughput_bytes_per_second_count") == 1
 
@@ -456,7 +425,7 @@ def test_metrics_move_with_a_request(client, cluster, engine):
 def test_errors_are_counted_by_status(client, cluster):
     import json
     services = json.loads((Path(cluster["config"]).parent / "services.json").read_text())
-    key = "ember:request_errors_total{code=INVALID_ARGUMENT,method=/ember.v1.Router/Generate}"
+    key = 'ember:request_errors_total{code="INVALID_ARGUMENT",method="/ember.v1.Router/Generate"}'
     before = scrape(services["router"]["metrics"]).get(key, 0)
     with pytest.raises(grpc.RpcError):
         client.complete(text="", max_tokens=4, timeout=30)

@@ -9,7 +9,7 @@ import pytest
 from ember.kv.directory import MemoryDirectory, RedisDirectory
 from ember.services.kvstore.publisher import Publisher
 from ember.services.kvstore.store import BlockStore
-from tests.cluster_fixture import free_port
+from tests.cluster_fixture import free_port, wait_until_async
 from tests.redis_fixture import RedisServer
 
 H = [bytes([i]) * 16 for i in range(8)]
@@ -28,14 +28,6 @@ def make_directory(kind: str, redis_server, ttl_s: float):
 
 def run(coro):
     asyncio.run(asyncio.wait_for(coro, 30))
-
-
-async def wait_for(predicate, timeout_s=8.0, every_s=0.02):
-    """Until `await predicate()` holds; fails after `timeout_s`."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await predicate():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out after {timeout_s} s"
-        await asyncio.sleep(every_s)
 
 
 @pytest.mark.parametrize("kind", ["memory", "redis"])
@@ -63,7 +55,7 @@ def test_entries_of_a_silent_kvstore_age_out(kind, redis_server):
 
         async def expired():
             return (await d.lookup(H[:3], ["edge"]))["edge"] == 0
-        await wait_for(expired, 5.0)  # a dead kvstore's entries expire
+        await wait_until_async(expired, 5.0, "the entries expired")  # a dead kvstore's entries expire
         assert loop.time() - published >= 0.3 - 0.02, "not before their TTL"
         await d.close()
     run(go())
@@ -93,9 +85,9 @@ def test_publisher_follows_the_store_and_resyncs_after_redis_comes_back(redis_se
         publisher.start()
         for i in range(3):
             store.put(*block(i))
-        await wait_for(lambda: _prefix(reader, 3, 3))
+        await wait_until_async(lambda: _prefix(reader, 3, 3), 8.0, "3 blocks published")
         store.put(*block(3))  # evicts block 0
-        await wait_for(lambda: _prefix(reader, 4, 0))
+        await wait_until_async(lambda: _prefix(reader, 4, 0), 8.0, "the eviction published")
         assert (await reader.lookup(H[1:4], ["edge"]))["edge"] == 3
 
         redis_server.stop()  # crash: the publisher must not fail the store
@@ -103,14 +95,15 @@ def test_publisher_follows_the_store_and_resyncs_after_redis_comes_back(redis_se
 
         async def unhealthy():
             return not publisher.healthy
-        await wait_for(unhealthy, 5.0)
+        await wait_until_async(unhealthy, 5.0, "the publisher marked unhealthy")
         assert not publisher._task.done(), "still running, marked unhealthy"
         redis_server.start()  # empty: nothing persisted
-        await wait_for(lambda: _held(reader, H[2:5]))  # resynced, including the block added meanwhile
+        # resynced, including the block added meanwhile
+        await wait_until_async(lambda: _held(reader, H[2:5]), 8.0, "the store resynced")
 
         async def healthy():
             return publisher.healthy
-        await wait_for(healthy)
+        await wait_until_async(healthy, 8.0, "the publisher healthy again")
         await publisher.stop()
         await reader.close()
     run(go())

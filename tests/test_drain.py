@@ -22,6 +22,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ember.cluster.chaos import Cluster, wait_dead
+from ember.cluster.traces import read_spans
 from ember.rpc import security
 from ember.rpc.server import CHANNEL_OPTIONS, Server
 from ember.v1 import (
@@ -233,8 +234,8 @@ def test_sigterm_drains_prefill(cluster, restarts):
                     raise
 
     def store_reads() -> int:  # the engine core asks the site kvstore for a prompt's blocks first
-        return sum(line.count('"/ember.v1.KVStore/Acquire"') for f in cluster.run_dir.glob("kvstore-central-*.jsonl")
-                   for line in f.read_text().splitlines() if '"SERVER"' in line)
+        return sum(span["name"] == "/ember.v1.KVStore/Acquire" and span["kind"] == "SERVER"
+                   for span in read_spans(cluster.run_dir, "kvstore-central"))
     # The in-flight calls are held at their write-back (a frozen site kvstore) until the refusal is
     # seen, so however fast this machine computes, they are still running when new calls are refused.
     store = process(cluster, "kvstore-central")

@@ -7,26 +7,18 @@ import yaml
 
 from ember.client import RouterClient
 from ember.cluster.launcher import running
+from ember.cluster.traces import request_spans
 from ember.model.fetch import DEFAULT_MODEL_PATH
-from tests.cluster_fixture import free_port
+from tests.cluster_fixture import free_port, wait_until
 from tests.conftest import LONG_TEXT
 
 
 def decode_span(run_dir, final) -> dict:
     """The attributes of decode's SERVER span for the request whose last message is `final`."""
-    import json
-    import time
-    deadline = time.monotonic() + 10
-    while True:
-        for f in run_dir.glob("decode-*.jsonl"):
-            for line in f.read_text().splitlines():
-                span = json.loads(line)
-                attrs = span["attributes"]
-                if span["kind"] == "SERVER" and attrs.get("ember.request_id") == final.request_id \
-                        and "ember.blocks_imported" in attrs:
-                    return attrs
-        assert time.monotonic() < deadline, f"decode exported no span for {final.request_id}"
-        time.sleep(0.05)
+    [span] = wait_until(lambda: [s for s in request_spans(run_dir, final.request_id, "decode")
+                                 if "ember.blocks_imported" in s["attributes"]], 10,
+                        f"decode exporting its span for {final.request_id}")
+    return span["attributes"]
 
 
 def edge_config(path) -> dict:

@@ -1,6 +1,6 @@
 """Input limits: what every RPC refuses before doing the work (ember.rpc.validate), the router's
 text cap, the OpenAI API's caps, and, on a real cluster, huge requests (10,000 stop strings,
-8 MiB of text) refused within 0.5 s while a co-running stream's inter-token time stays within 2x."""
+8 MiB of text) refused fast (REFUSED_FAST_S) while a co-running stream's inter-token time stays within 2x."""
 from __future__ import annotations
 
 import asyncio
@@ -22,6 +22,9 @@ from tests.conftest import PROMPTS
 from tests.test_cluster import cluster  # noqa: F401 - this module's own real cluster
 
 EIGHT_MIB_TEXT = "word " * (8 * 2**20 // 5)
+# A refusal does none of the work it refuses: tokenizing EIGHT_MIB_TEXT alone takes ~7 s on this host,
+# a refusal 5-100 ms when it is quiet; the bound leaves a loaded CI host room and still tells them apart.
+REFUSED_FAST_S = 2.0
 MANY_STOPS = [f"stop{i}" for i in range(10_000)]
 
 
@@ -133,7 +136,7 @@ def test_oversized_openai_bodies_are_400_fast(body, param):
         assert status == 400, answer
         assert answer["error"]["type"] == "invalid_request_error" and answer["error"]["param"] == param
         times.append(seconds)
-    assert min(times) < 0.5 and service.requests == [], times
+    assert min(times) < REFUSED_FAST_S and service.requests == [], times
     if param is None:
         assert "larger than" in answer["error"]["message"]
 
@@ -250,7 +253,7 @@ def test_huge_requests_are_refused_fast_and_a_running_stream_keeps_its_pace(clus
         ]
         for refuse in refusals:  # each alone: refused, and fast
             code, seconds = refuse()
-            assert code in (grpc.StatusCode.INVALID_ARGUMENT, 400) and seconds < 0.5, (code, seconds)
+            assert code in (grpc.StatusCode.INVALID_ARGUMENT, 400) and seconds < REFUSED_FAST_S, (code, seconds)
 
         _gaps(stub, PROMPTS[2], 8)  # warm
         # Up to three rounds, each the stream alone then under the refusals: a router that does
@@ -269,7 +272,7 @@ def test_huge_requests_are_refused_fast_and_a_running_stream_keeps_its_pace(clus
                 out, _ = hammer.communicate("stop\n", timeout=120)
             results = [json.loads(line) for line in out.splitlines() if line.strip()]
             assert len(results) >= 10, "the refusals ran alongside the stream"
-            slow = [r for r in results if r["seconds"] >= 0.5]
+            slow = [r for r in results if r["seconds"] >= REFUSED_FAST_S]
             assert not slow and all(r["code"] in ("INVALID_ARGUMENT", 400) for r in results), slow[:5]
             rounds.append((_p99(loaded), _p99(unloaded)))
             if rounds[-1][0] <= 2 * rounds[-1][1]:

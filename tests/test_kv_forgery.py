@@ -5,7 +5,6 @@ still gets the reference tokens. Frames signed with the cluster's key are import
 refusal is the MAC's doing. On the session's exact cluster (its prompts are this module's own)."""
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from ember.kv.chunks import split
 from ember.rpc import security
 from ember.rpc.server import CHANNEL_OPTIONS
 from ember.v1 import common_pb2, decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc
+from tests.cluster_fixture import wait_until
 from tests.conftest import LONG_TEXT
 
 
@@ -67,10 +67,7 @@ def decode_log(cluster) -> str:
 
 
 def wait_logged(cluster, text: str, timeout_s: float = 10) -> None:
-    deadline = time.monotonic() + timeout_s
-    while text not in decode_log(cluster):
-        assert time.monotonic() < deadline, f"decode never logged {text!r}"
-        time.sleep(0.1)
+    wait_until(lambda: text in decode_log(cluster), timeout_s, f"decode logging {text!r}")
 
 
 def real_frames(engine, ids: list[int], blocks: int) -> list[tuple[bytes, bytes]]:

@@ -15,10 +15,12 @@ from ember.bench.stream_bench import linked_config
 from ember.client import RouterClient
 from ember.cluster.chaos import Cluster
 from ember.cluster.launcher import running
+from ember.cluster.traces import request_spans
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.scheduler import STREAM_TAIL_TOKENS
 from ember.rpc import security
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
+from tests.cluster_fixture import wait_until
 from tests.conftest import LONG_TEXT
 
 pytestmark = pytest.mark.slow
@@ -42,17 +44,10 @@ def prompt(engine, salt: str) -> list[int]:
 
 
 def decode_span(cluster: Cluster, request_id: str, timeout_s: float = 10) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        for f in cluster.run_dir.glob("decode-*.jsonl"):
-            for line in f.read_text().splitlines():
-                span = json.loads(line)
-                attrs = span["attributes"]
-                if span["kind"] == "SERVER" and attrs.get("ember.request_id") == request_id \
-                        and "ember.recomputed_tokens" in attrs:
-                    return attrs
-        assert time.monotonic() < deadline, f"decode exported no span for {request_id}"
-        time.sleep(0.05)
+    [span] = wait_until(lambda: [s for s in request_spans(cluster.run_dir, request_id, "decode")
+                                 if "ember.recomputed_tokens" in s["attributes"]], timeout_s,
+                        f"decode exporting its span for {request_id}")
+    return span["attributes"]
 
 
 def edge_blocks(cluster: Cluster) -> int:

@@ -16,6 +16,7 @@ from ember.rpc.errors import ErrorInterceptor
 from ember.services.kvstore.service import KVStoreService
 from ember.services.kvstore.store import BlockStore
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
+from tests.cluster_fixture import wait_until_async
 from tests.test_kvstore_unit import frame
 
 SIZE = wire.frame_bytes(2 * 2 * 2 * 16 * 4 * 2)  # tests.test_kv_wire.LAYOUT
@@ -46,13 +47,11 @@ def run(coro):
 
 
 async def until(condition, stub, deadline_s: float) -> kvstore_pb2.StatsResponse:
-    """The store's Stats once `condition(stats)` holds; fails after `deadline_s`."""
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + deadline_s
-    while not condition(stats := await stub.Stats(kvstore_pb2.StatsRequest())):
-        assert loop.time() < give_up, f"not reached within {deadline_s} s: {stats}"
-        await asyncio.sleep(0.02)
-    return stats
+    """The store's Stats once `condition(stats)` holds (tests.cluster_fixture.wait_until_async)."""
+    async def stats_if_met():
+        stats = await stub.Stats(kvstore_pb2.StatsRequest())
+        return stats if condition(stats) else None
+    return await wait_until_async(stats_if_met, deadline_s, "the kvstore's stats to meet the condition")
 
 
 def seeded(store: BlockStore, n: int) -> list[tuple[bytes, bytes]]:

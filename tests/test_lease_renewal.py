@@ -28,6 +28,7 @@ from ember.kv import bulk, wire
 from ember.kv.block_hash import HASH_BYTES, KVLayout
 from ember.rpc.kv_connector import KVConnector
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
+from tests.cluster_fixture import AT_ONCE_S, wait_until
 
 TTL_S = 1.0
 LINK_GBPS = 0.01                    # 1.25 MB/s
@@ -74,7 +75,7 @@ class Sites:
                                                    str(run_dir / "cluster.yaml"), "--site", site] + routes)
             wait_serving(address, time.monotonic() + 60, proc, run_dir / f"kvstore-{site}.log")
         for relay in relayed.values():
-            until(lambda relay=relay: accepts(relay), 30, f"relay {relay} listening")
+            wait_until(lambda relay=relay: accepts(relay), 30, f"relay {relay} listening")
         self._channel = grpc.insecure_channel(self.edge)
         self._edge_stub = kvstore_pb2_grpc.KVStoreStub(self._channel)
 
@@ -109,15 +110,6 @@ def accepts(address: str) -> bool:
         return False
 
 
-def until(condition, deadline_s: float, what: str = "condition"):
-    """Poll `condition()` until it returns something truthy; fails after `deadline_s`."""
-    give_up = time.monotonic() + deadline_s
-    while not (result := condition()):
-        assert time.monotonic() < give_up, f"{what} not reached within {deadline_s} s"
-        time.sleep(0.02)
-    return result
-
-
 @pytest.fixture(scope="module")
 def sites(tmp_path_factory):
     s = Sites(tmp_path_factory.mktemp("lease-renewal"))
@@ -150,7 +142,7 @@ def test_a_pull_slower_than_the_lease_ttl_completes_and_its_holder_renews_until_
             assert bytes(loaded.payloads[h]) == f[wire.HEADER_BYTES:]
         # a slow import: the holder keeps the lease for well over its TTL by renewing it
         # (the store counts a renewal when it grants it, the connector when the answer is back: wait for both)
-        held = until(lambda: connector.leases_renewed >= 4
+        held = wait_until(lambda: connector.leases_renewed >= 4
                      and (s := sites.edge_stats()).leases_renewed >= before.leases_renewed + 4 and s, 10,
                      "four renewals")
         assert held.leases == 1 and held.pinned_blocks == SLOW_PULL_BLOCKS
@@ -174,12 +166,12 @@ def test_a_holder_killed_mid_pull_leaves_no_lease(sites):
     put_at_central(sites, frames)
     before = sites.edge_stats()
     proc, log = sites.holder(1000, SLOW_PULL_BLOCKS)
-    until(lambda: (s := sites.edge_stats()).leases == 1 and s.blocks > before.blocks, 30,
+    wait_until(lambda: (s := sites.edge_stats()).leases == 1 and s.blocks > before.blocks, 30,
           "the holder's pull under way")
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
     assert "leased" not in log.read_text(), "killed before its pull answered"
-    freed = until(lambda: (s := sites.edge_stats()).leases == 0 and s.pinned_blocks == 0 and s, TTL_S + 5,
+    freed = wait_until(lambda: (s := sites.edge_stats()).leases == 0 and s.pinned_blocks == 0 and s, TTL_S + 5,
                   "the lease freed")
     assert freed.blocks < before.blocks + SLOW_PULL_BLOCKS, "the pull was cut short"
 
@@ -189,15 +181,17 @@ def test_a_holder_killed_while_holding_frees_its_lease_within_the_ttl(sites):
     put_at_central(sites, frames)
     before = sites.edge_stats()
     proc, log = sites.holder(2000, 8)
-    until(lambda: "leased" in log.read_text(), 30, "the holder's lease")
+    wait_until(lambda: "leased" in log.read_text(), 30, "the holder's lease")
     # alive, it keeps the lease past its TTL
-    until(lambda: sites.edge_stats().leases_renewed >= before.leases_renewed + 4, 10, "four renewals")
+    wait_until(lambda: sites.edge_stats().leases_renewed >= before.leases_renewed + 4, 10, "four renewals")
     assert sites.edge_stats().leases == 1
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=10)
     killed = time.monotonic()
-    freed = until(lambda: (s := sites.edge_stats()).leases == 0 and s, TTL_S + 2, "the lease expired")
-    assert time.monotonic() - killed <= TTL_S + 2
+    freed = wait_until(lambda: (s := sites.edge_stats()).leases == 0 and s, TTL_S + AT_ONCE_S, "the lease expired")
+    freed_s = time.monotonic() - killed
+    print(f"lease freed {freed_s:.2f} s after its holder's kill (TTL {TTL_S} s)")
+    assert freed_s <= TTL_S + AT_ONCE_S, freed_s
     assert freed.leases_expired == before.leases_expired + 1, "freed by its TTL: nobody released it"
     assert freed.pinned_blocks == 0
 

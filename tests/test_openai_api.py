@@ -129,7 +129,6 @@ def test_a_bad_body_through_the_openai_client(api):
 def test_one_http_chat_request_is_one_trace(cluster, api):
     """The HTTP request is the router's SERVER span (its trace context taken from `traceparent`),
     and everything it causes, in every service, is in that trace."""
-    import json
     import secrets
     import time
 
@@ -140,9 +139,10 @@ def test_one_http_chat_request_is_one_trace(cluster, api):
                                       extra_headers={"traceparent": f"00-{trace_id}-{caller}-01"})
     assert out.usage.completion_tokens == 4
 
+    from ember.cluster.traces import trace as spans_of_trace
+
     def spans():
-        return [s for f in cluster["run_dir"].glob("*.jsonl") for line in f.read_text().splitlines()
-                if (s := json.loads(line))["trace_id"] == trace_id]
+        return spans_of_trace(cluster["run_dir"], trace_id)
     wanted = {("router", "POST /v1/chat/completions", "SERVER"), ("router", "placement", "INTERNAL"),
               ("prefill", "/ember.v1.Prefill/Prefill", "SERVER"), ("decode", "/ember.v1.Decode/Decode", "SERVER"),
               ("router", "/ember.v1.Prefill/Prefill", "CLIENT"), ("router", "/ember.v1.Decode/Decode", "CLIENT")}

@@ -49,21 +49,26 @@ def test_an_uneven_split_is_balanced_by_weights_read_not_refused():
 
 
 def test_an_uneven_split_is_balanced_by_measured_cost():
-    """At decode a KV group costs more than its weights (it also reads its KV): measured, the rank with
-    two groups gets fewer MLP columns than the weights would give it, and the ranks' predicted costs
-    are within one column step of each other."""
+    """At decode a KV group costs its weights and also its KV reads, so what a group costs against an
+    MLP step is measured, not read off the weights: the rank with two groups gets fewer MLP columns the
+    more a group costs, and the ranks' predicted costs are within one column step of each other. (How
+    the measured ratio compares with the weights' depends on the host: 2.4 against 2.67 on one CI host,
+    above it on others; the split follows whichever it is.)"""
     from ember.parallel.shard import ShardCosts, rank_cost
     from ember.parallel.tensor_parallel import measure_costs
     measured = measure_costs(SMOL, torch.float32, rows=16, reps=3)
     assert measured.group > 0 and measured.mlp_step > 0
     by_weights = ShardCosts.by_weights(SMOL)
-    assert measured.group / measured.mlp_step > by_weights.group / by_weights.mlp_step
-    for costs in (ShardCosts(group=10.0, mlp_step=1.0), ShardCosts(group=1.0, mlp_step=1.0), by_weights):
+    for costs in (ShardCosts(group=10.0, mlp_step=1.0), ShardCosts(group=1.0, mlp_step=1.0), by_weights, measured):
         shards = plan(SMOL, 2, costs)
         loads = [rank_cost(SMOL, r, costs) for r in shards]
         assert abs(loads[0] - loads[1]) <= costs.mlp_step + 1e-9, (costs, loads)
-    columns = [plan(SMOL, 2, c)[0].columns[1] for c in (measured, by_weights)]
-    assert columns[0] < columns[1], "the measured split should move MLP columns off the two-group rank"
+    # the two-group rank's MLP columns fall as a group's cost rises against a column step's
+    columns = [plan(SMOL, 2, ShardCosts(group=ratio, mlp_step=1.0))[0].columns[1] for ratio in (1, 2, 4, 8, 16)]
+    assert columns == sorted(columns, reverse=True) and columns[0] > columns[-1], columns
+    ratio, weights_ratio = measured.group / measured.mlp_step, by_weights.group / by_weights.mlp_step
+    got, by_weight = plan(SMOL, 2, measured)[0].columns[1], plan(SMOL, 2, by_weights)[0].columns[1]
+    assert (got <= by_weight) if ratio > weights_ratio else (got >= by_weight), (ratio, weights_ratio, got, by_weight)
 
 
 @pytest.mark.parametrize("degree", [4, 6, 0])
