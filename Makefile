@@ -24,8 +24,9 @@ proto: venv
 		$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/ember/v1/*.proto; \
 	else echo "no .proto files yet"; fi
 
+# Every test's duration goes to .test-durations.txt (by file and by test, slowest first; CI prints it).
 test: setup
-	$(BIN)/python -m pytest -q --durations=15
+	EMBER_TEST_DURATIONS=.test-durations.txt $(BIN)/python -m pytest -q --durations=15
 
 lint: venv
 	$(BIN)/ruff check ember services tests

@@ -23,6 +23,10 @@ from ember.cluster import launcher
 from ember.cluster.chaos import Cluster
 
 ROOT = Path(__file__).resolve().parents[1]
+# Every session cluster's services say NOT_SERVING this long before they refuse new calls when drained
+# (EMBER_DRAIN_NOTICE_S; the shipped 1 s is two router health polls): tests/test_drain.py observes the
+# notice through fresh calls, and on a loaded host 1 s leaves too little room to see it.
+DRAIN_NOTICE_S = 2.0
 
 
 def _exact(run_dir: Path, model: str) -> dict:
@@ -74,7 +78,7 @@ class SessionClusters:
         run_dir = self.root / kind
         run_dir.mkdir(parents=True, exist_ok=True)
         addr = CONFIGS[kind](run_dir, self.model)
-        launcher.up(run_dir / "cluster.yaml", run_dir, timeout_s=300)
+        launcher.up(run_dir / "cluster.yaml", run_dir, timeout_s=300, env={"EMBER_DRAIN_NOTICE_S": str(DRAIN_NOTICE_S)})
         self.current = Running(kind, Cluster(run_dir), run_dir / "cluster.yaml", addr)
         return self.current
 

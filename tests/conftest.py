@@ -165,3 +165,25 @@ def openai_api(shared_cluster):
     import openai
     return openai.OpenAI(base_url=f"http://{shared_cluster['router_http']}/v1", api_key="unused", max_retries=0,
                          timeout=180)
+
+
+# -- durations kept: `make test` sets EMBER_TEST_DURATIONS, .ci/run prints the file --------------------
+_durations: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Every test's seconds (setup + call + teardown) and each file's total, slowest first."""
+    path = os.environ.get("EMBER_TEST_DURATIONS")
+    if not path or not _durations:
+        return
+    files: dict[str, float] = {}
+    for nodeid, seconds in _durations.items():
+        files[nodeid.split("::")[0]] = files.get(nodeid.split("::")[0], 0.0) + seconds
+    lines = [f"# {len(_durations)} tests, {sum(_durations.values()):.0f} s in tests (pytest exit {exitstatus})",
+             "# by file"] + [f"{s:8.1f}  {f}" for f, s in sorted(files.items(), key=lambda kv: -kv[1])]
+    lines += ["# by test"] + [f"{s:8.1f}  {n}" for n, s in sorted(_durations.items(), key=lambda kv: -kv[1])]
+    Path(path).write_text("\n".join(lines) + "\n")

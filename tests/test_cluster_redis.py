@@ -36,7 +36,7 @@ def cached_blocks(client: RouterClient, ids: list[int]) -> dict[str, int]:
     return dict(out.final.placement.cached_blocks)
 
 
-def in_redis(redis: RedisServer, hashes: list[bytes], blocks: int, timeout_s: float = 10) -> None:
+def in_redis(redis: RedisServer, hashes: list[bytes], blocks: int, timeout_s: float = 30) -> None:
     """Until Redis itself says both sites hold the prompt's first `blocks` blocks."""
     async def held() -> dict[str, int]:
         d = RedisDirectory(redis.url)
@@ -72,7 +72,7 @@ def test_router_reads_redis_and_requests_survive_a_redis_crash(redis_cluster, en
         in_redis(redis, hashes, full, timeout_s=30)
         # the router skips the directory for DIRECTORY_RETRY_S after a failure: it reads it again once that
         # passed (a republish faster than that would otherwise race the next request)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while (seen := cached_blocks(client, ids)) != {"central": full, "edge": full}:
             assert time.monotonic() < deadline, f"the router did not read the directory again: {seen}"
             time.sleep(0.2)

@@ -24,7 +24,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from ember.cluster.chaos import Cluster, wait_dead
 from ember.cluster.traces import read_spans
 from ember.rpc import security
-from ember.rpc.server import CHANNEL_OPTIONS, Server
+from ember.rpc.server import CHANNEL_OPTIONS
 from ember.v1 import (
     common_pb2,
     decode_pb2,
@@ -34,31 +34,50 @@ from ember.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
-from tests.cluster_fixture import wait_until
+from tests.cluster_fixture import AT_ONCE_S, wait_until
+from tests.clusters import DRAIN_NOTICE_S
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
-NOTICE_S = Server.DRAIN_NOTICE_S
+NOTICE_S = DRAIN_NOTICE_S  # the session clusters' drain notice (tests/clusters.py)
 EXIT_S = 20  # SIGTERM to exit: the notice, the in-flight calls' end, the engine core's shutdown
 
 
 CLUSTER: list[Cluster] = []  # the module's cluster, for dial()
+_CHANNELS: dict[tuple, grpc.Channel] = {}
 
 
-def dial(address: str, as_service: str | None = "operator", options=None) -> grpc.Channel:
-    """mTLS to a service of the module's cluster with `as_service`'s certificate (None: plaintext,
-    a router's public port)."""
-    from ember.cluster.launcher import credentials
-    return security.dial(address, None if as_service is None else credentials(CLUSTER[0].run_dir, as_service),
-                         options)
+def channel(address: str, as_service: str | None = "operator", options=None) -> grpc.Channel:
+    """An open channel to a service of the module's cluster with `as_service`'s certificate (None:
+    plaintext, a router's public port), kept for the module: health polls and probes during a drain
+    must not each pay a TLS handshake on a loaded host."""
+    key = (address, as_service, tuple(options or ()))
+    if key not in _CHANNELS:
+        from ember.cluster.launcher import credentials
+        creds = None if as_service is None else credentials(CLUSTER[0].run_dir, as_service)
+        _CHANNELS[key] = security.dial(address, creds, options)
+    return _CHANNELS[key]
 
 
-def health(address: str, timeout_s: float = 0.5, as_service: str | None = "operator") -> int | None:
+def health(address: str, timeout_s: float = 2.0, as_service: str | None = "operator") -> int | None:
     """The server's overall health status, or None when it does not answer."""
-    with dial(address, as_service) as ch:
-        try:
-            return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s).status
-        except grpc.RpcError:
-            return None
+    try:
+        return health_pb2_grpc.HealthStub(channel(address, as_service)).Check(
+            health_pb2.HealthCheckRequest(), timeout=timeout_s).status
+    except grpc.RpcError:
+        return None
+
+
+def logged_at(run_dir, name: str, text: str, after: float) -> float | None:
+    """When (epoch seconds, the log's own `ts`) service `name` first logged a line containing `text`
+    at or after `after`; None if it has not."""
+    import datetime
+    import json
+    for line in (run_dir / f"{name}.log").read_text(errors="replace").splitlines():
+        if text in line and line.startswith("{"):
+            ts = datetime.datetime.fromisoformat(json.loads(line)["ts"]).timestamp()
+            if ts >= after:
+                return ts
+    return None
 
 
 def refused(call: Callable[[], object]) -> grpc.StatusCode | None:
@@ -72,32 +91,37 @@ def refused(call: Callable[[], object]) -> grpc.StatusCode | None:
 
 def drain(proc: subprocess.Popen, address: str, in_flight: Future, probe: Callable[[], object],
           router_sees: Callable[[], bool] | None = None, finish: Callable[[], None] | None = None,
-          public: bool = False) -> dict[str, float]:
+          public: bool = False, logs: tuple | None = None) -> dict[str, float]:
     """SIGTERM `proc` while `in_flight` runs and check the drain: NOT_SERVING at once, `probe` (a new
     call) still served during the notice and refused after it while `in_flight` still runs, and
-    exit 0. With `router_sees`: the router counted the worker down before any call was refused.
-    `public`: `address` is a router's public (plaintext) port.
-    `finish` lets the in-flight call end (once the refusal is seen). Returns the seconds from the
-    signal to each event."""
+    exit 0. With `router_sees`: the router counts the worker down, and (`logs`: (run_dir, the
+    worker's service name, its address)) its own log says it did before the worker began refusing.
+    `public`: `address` is a router's public (plaintext) port. `finish` lets the in-flight call end
+    (once the refusal is seen). Returns the seconds from the signal to each event."""
     caller = None if public else "operator"
     assert not in_flight.done() and health(address, as_service=caller) == SERVING
     assert refused(probe) is None
-    start = time.monotonic()
+    start, signalled = time.monotonic(), time.time()
     proc.send_signal(signal.SIGTERM)
-    wait_until(lambda: health(address, as_service=caller) == NOT_SERVING, 5, "health NOT_SERVING after SIGTERM")
+    wait_until(lambda: health(address, as_service=caller) == NOT_SERVING, AT_ONCE_S, "health NOT_SERVING after SIGTERM")
     at = {"not_serving_s": time.monotonic() - start}
     assert refused(probe) is None, "still serving during the drain notice"
     at["served_in_notice_s"] = time.monotonic() - start
     if router_sees is not None:
-        wait_until(lambda: not router_sees(), NOTICE_S + 1, "the router counts the worker down")
+        wait_until(lambda: not router_sees(), AT_ONCE_S, "the router counts the worker down")
         at["router_down_s"] = time.monotonic() - start
-    code = wait_until(lambda: refused(probe), NOTICE_S + 3, "new calls refused after the notice")
+    code = wait_until(lambda: refused(probe), NOTICE_S + AT_ONCE_S, "new calls refused after the notice")
     at["refused_s"] = time.monotonic() - start
     assert code == grpc.StatusCode.UNAVAILABLE, code
     assert not in_flight.done(), "refused while a call was still in flight (not after the exit)"
-    if router_sees is not None:
-        assert at["router_down_s"] < at["refused_s"], at
     assert at["refused_s"] >= NOTICE_S * 0.9, at
+    if logs is not None:  # the order, by the services' own clocks: the router moved away in the notice
+        run_dir, name, worker_address = logs
+        draining = logged_at(run_dir, name, "draining on SIGTERM", signalled - 1)
+        router_down = logged_at(run_dir, "router", f"@{worker_address} is not serving", signalled - 1)
+        assert draining is not None and router_down is not None, (draining, router_down)
+        at["router_down_after_drain_s"] = round(router_down - draining, 3)
+        assert router_down < draining + NOTICE_S, at
     if finish is not None:
         finish()
     in_flight.result(timeout=EXIT_S)  # the in-flight call ran to completion (the caller checks it)
@@ -126,32 +150,33 @@ def watch_startup(cluster: Cluster, name: str, timeout_s: float = 240) -> list[t
 def _watch(cluster: Cluster, name: str, timeout_s: float, seen: list) -> None:
     start = time.monotonic()
     address = cluster.services[name]["address"]
-    with dial(address, "router") as ch:
-        if name.startswith("decode"):
-            def call():
-                decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.DecodeStatsRequest(), timeout=2)
-        else:
-            def call():
-                prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
-                    request_id="warm-probe", token_ids=[1, 2, 3], sampling=common_pb2.SamplingParams(max_tokens=1)),
-                    timeout=30)
-        while time.monotonic() - start < timeout_s:
-            status = health(address)
-            probe = "-"
-            if status is not None:
-                code = refused(call)
-                probe = "ok" if code is None else code.name
-                if probe == "ok" and status != SERVING:
-                    # the model turned warm between the health check and the call (the service
-                    # takes calls once its engine is warm and says SERVING a moment later): that
-                    # call met a warm model, so it counts as SERVING once health says so
-                    until = time.monotonic() + 2
-                    while status != SERVING and time.monotonic() < until:
-                        status = health(address)
-            seen.append((time.monotonic() - start, status, probe))
-            if status == SERVING:
-                return
-            time.sleep(0.05)
+    ch = channel(address, "router")
+    if name.startswith("decode"):
+        def call():
+            decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.DecodeStatsRequest(), timeout=AT_ONCE_S)
+    else:
+        def call():
+            prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
+                request_id="warm-probe", token_ids=[1, 2, 3], sampling=common_pb2.SamplingParams(max_tokens=1)),
+                timeout=30)
+    while time.monotonic() - start < timeout_s:
+        status = health(address)
+        probe = "-"
+        if status is not None:
+            code = refused(call)
+            # (a call too slow to answer on a loaded host says nothing of how it would be answered)
+            probe = "ok" if code is None else "-" if code == grpc.StatusCode.DEADLINE_EXCEEDED else code.name
+            if probe == "ok" and status != SERVING:
+                # the model turned warm between the health check and the call (the service
+                # takes calls once its engine is warm and says SERVING a moment later): that
+                # call met a warm model, so it counts as SERVING once health says so
+                until = time.monotonic() + AT_ONCE_S
+                while status != SERVING and time.monotonic() < until:
+                    status = health(address)
+        seen.append((time.monotonic() - start, status, probe))
+        if status == SERVING:
+            return
+        time.sleep(0.05)
 
 
 def process(cluster: Cluster, name: str) -> subprocess.Popen:
@@ -192,24 +217,42 @@ def test_sigterm_drains_decode(cluster, restarts):
     def stream() -> list[decode_pb2.DecodeResponse]:
         request = decode_pb2.DecodeRequest(request_id="drain-decode", prompt_token_ids=ids, prefill_here=True,
                                            sampling=common_pb2.SamplingParams(max_tokens=50, ignore_eos=True))
-        with dial(address, "router") as ch:
-            messages = decode_pb2_grpc.DecodeStub(ch).Decode(request, timeout=60)
-            out = [next(messages)]
-            first.set_result(True)
-            return out + list(messages)
+        messages = decode_pb2_grpc.DecodeStub(channel(address, "router")).Decode(request, timeout=60)
+        out = [next(messages)]
+        first.set_result(True)
+        return out + list(messages)
 
-    def probe():
-        with dial(address, "router") as ch:
-            decode_pb2_grpc.DecodeStub(ch).Stats(decode_pb2.DecodeStatsRequest(), timeout=2)
+    def probe():  # a call answered by the handler itself (the engine core is frozen meanwhile)
+        try:
+            list(decode_pb2_grpc.DecodeStub(channel(address, "router")).Decode(
+                decode_pb2.DecodeRequest(request_id="drain-probe"), timeout=AT_ONCE_S))
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                raise
     first: Future = Future()
+    # The in-flight stream is held (its engine core frozen) until the refusal is seen, so however fast
+    # this machine decodes its 50 tokens, it is still running when new calls are refused.
+    core = engine_core(cluster, name)
     with ThreadPoolExecutor(1) as pool:
         in_flight = pool.submit(stream)
         first.result(timeout=60)
         restarts.append(name)
-        at = drain(process(cluster, name), address, in_flight, probe, router_sees(cluster, name))
+        core.suspend()
+        try:
+            at = drain(process(cluster, name), address, in_flight, probe, router_sees(cluster, name),
+                       finish=core.resume, logs=(cluster.run_dir, name, address))
+        finally:
+            core.resume()
         out = in_flight.result()
     assert sum(len(m.token_ids) for m in out) == 50 and out[-1].finished, "the in-flight stream ran to completion"
     print(name, at)
+
+
+def engine_core(cluster: Cluster, name: str):
+    """The engine core process (psutil) of worker `name`."""
+    import psutil
+    [core] = [c for c in psutil.Process(cluster.pid(name)).children() if "ember.serving.core_process" in c.cmdline()]
+    return core
 
 
 def test_sigterm_drains_prefill(cluster, restarts):
@@ -218,20 +261,18 @@ def test_sigterm_drains_prefill(cluster, restarts):
     prompts = [[100 + (i * 7919 + j * 31) % 40000 for j in range(512)] for i in range(2)]  # uncached
 
     def prefill(i: int) -> prefill_pb2.PrefillResponse:
-        with dial(address, "router", options=CHANNEL_OPTIONS) as ch:
-            return prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
-                request_id=f"drain-prefill-{i}", token_ids=prompts[i],
-                sampling=common_pb2.SamplingParams(max_tokens=8)), timeout=120)
+        return prefill_pb2_grpc.PrefillStub(channel(address, "router", CHANNEL_OPTIONS)).Prefill(
+            prefill_pb2.PrefillRequest(request_id=f"drain-prefill-{i}", token_ids=prompts[i],
+                                       sampling=common_pb2.SamplingParams(max_tokens=8)), timeout=120)
 
     def probe():  # a call answered by the handler itself, ahead of the busy engine
-        with dial(address, "router") as ch:
-            try:
-                prefill_pb2_grpc.PrefillStub(ch).Prefill(prefill_pb2.PrefillRequest(
-                    request_id="drain-probe", token_ids=list(range(1, 17)), block_hashes=[b"x" * 16],
-                    sampling=common_pb2.SamplingParams(max_tokens=1)), timeout=5)
-            except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
-                    raise
+        try:
+            prefill_pb2_grpc.PrefillStub(channel(address, "router")).Prefill(prefill_pb2.PrefillRequest(
+                request_id="drain-probe", token_ids=list(range(1, 17)), block_hashes=[b"x" * 16],
+                sampling=common_pb2.SamplingParams(max_tokens=1)), timeout=AT_ONCE_S)
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                raise
 
     def store_reads() -> int:  # the engine core asks the site kvstore for a prompt's blocks first
         return sum(span["name"] == "/ember.v1.KVStore/Acquire" and span["kind"] == "SERVER"
@@ -248,7 +289,7 @@ def test_sigterm_drains_prefill(cluster, restarts):
             in_flight = pool.submit(lambda: [c.result() for c in calls])
             restarts.append(name)
             at = drain(process(cluster, name), address, in_flight, probe, router_sees(cluster, name),
-                       finish=lambda: store.send_signal(signal.SIGCONT))
+                       finish=lambda: store.send_signal(signal.SIGCONT), logs=(cluster.run_dir, name, address))
         finally:
             store.send_signal(signal.SIGCONT)
         for response in in_flight.result():
@@ -272,16 +313,15 @@ def test_sigterm_drains_a_kvstore(cluster, restarts, name):
     release = threading.Event()
 
     def stats() -> kvstore_pb2.StatsResponse:
-        with dial(address) as ch:
-            return kvstore_pb2_grpc.KVStoreStub(ch).Stats(kvstore_pb2.StatsRequest(), timeout=2)
+        return kvstore_pb2_grpc.KVStoreStub(channel(address)).Stats(kvstore_pb2.StatsRequest(), timeout=AT_ONCE_S)
 
     def put() -> kvstore_pb2.PutResponse:
         def held():  # the first block now, the rest once the drain is under way
             yield from chunks[:1]
             release.wait(timeout=60)
             yield from chunks[1:]
-        with dial(address, "prefill-central", options=CHANNEL_OPTIONS) as ch:  # a KV producer
-            return kvstore_pb2_grpc.KVStoreStub(ch).Put(held(), timeout=60)
+        producer = channel(address, "prefill-central", CHANNEL_OPTIONS)  # a KV producer may put
+        return kvstore_pb2_grpc.KVStoreStub(producer).Put(held(), timeout=60)
     before = stats().blocks_put
     with ThreadPoolExecutor(1) as pool:
         in_flight = pool.submit(put)

@@ -55,6 +55,7 @@ def edge_config(path) -> dict:
 
 @pytest.fixture(scope="module")
 def edge_cluster(tmp_path_factory, model_path):
+    """Private: three sites, their links and hardware profiles are this module's subject."""
     run_dir = tmp_path_factory.mktemp("edge-cluster")
     config = edge_config(run_dir / "cluster.yaml")
     with running(run_dir / "cluster.yaml", run_dir, timeout_s=300):

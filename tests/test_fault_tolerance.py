@@ -5,6 +5,7 @@ and, with both prefill workers dead, to the decode site. Admission past the rout
 refused at once with pushback."""
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -105,21 +106,27 @@ def test_a_stream_over_http_sse_survives_its_decode_worker(ha, engine):
     client = openai.OpenAI(base_url=f"http://{http}/v1", api_key="unused",
                            max_retries=0, timeout=300)
     messages = [{"role": "user", "content": "Count from one to forty in words."}]
-    kwargs = dict(model="SmolLM2-135M-Instruct.Q4_1", messages=messages, max_tokens=NEW_TOKENS, temperature=0,
+    kwargs = dict(model="SmolLM2-135M-Instruct.Q4_1", messages=messages, max_tokens=4 * NEW_TOKENS, temperature=0,
                   extra_body={"ignore_eos": True})
     want = client.chat.completions.create(**kwargs).choices[0].message.content
-    pieces, killed = [], []
-    for chunk in client.chat.completions.create(stream=True, **kwargs):
-        assert not getattr(chunk, "error", None)
-        if chunk.choices and chunk.choices[0].delta.content:
-            pieces.append(chunk.choices[0].delta.content)
-        if len(pieces) >= 2 and not killed:
-            busy = [n for n in ("decode-edge-0", "decode-edge-1") if ha.decode_stats(n).running]
-            if busy:  # (none: the engine finished ahead of this reader; the assert below says so)
-                killed.append(busy[0])
-                wait_dead(ha.kill(busy[0]))
-    assert killed and "".join(pieces) == want, "the SSE stream ended normally ([DONE]) with the same text"
-    ha.restart(killed[0])
+    # As in the gRPC test above: a kill can land after the engine sent every token (a reader slower
+    # than the engine, on a loaded host); such a round proves nothing and is run again.
+    for _ in range(ATTEMPTS):
+        pieces, killed = [], []
+        for chunk in client.chat.completions.create(stream=True, **kwargs):
+            assert not getattr(chunk, "error", None)
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+            if len(pieces) >= 2 and not killed:
+                busy = [n for n in ("decode-edge-0", "decode-edge-1") if ha.decode_stats(n).running]
+                if busy:
+                    killed.append(busy[0])
+                    wait_dead(ha.kill(busy[0]))
+        assert "".join(pieces) == want, "the SSE stream ended normally ([DONE]) with the same text"
+        if killed:
+            ha.restart(killed[0])
+            break
+    assert killed, f"in {ATTEMPTS} rounds no kill landed while a decode worker still ran the stream"
 
 
 def recoveries(ha: Cluster) -> int:
@@ -133,23 +140,33 @@ def test_a_kvstore_killed_and_restarted_under_load_costs_no_request_and_no_token
     ids = [engine.tokenizer.encode(f"Story {i} of {store}: " + LONG_TEXT[:500 + 30 * i]) for i in range(6)]
     fresh = [engine.tokenizer.encode(f"Tale {i} of {store}: " + LONG_TEXT[:500 + 30 * i]) for i in range(6)]
     reference, reference_fresh = run_streams(ha.router, ids), run_streams(ha.router, fresh)
-    before, started, victims = recoveries(ha), time.monotonic(), []
+    # Whether transfers are in flight when the kill lands depends on this host's speed: a round whose
+    # kill met none proves nothing and is run again (with prompts never seen), later into the burst.
+    for attempt in range(ATTEMPTS):
+        before, started, victims = recoveries(ha), time.monotonic(), []
+        delay_s = 0.3 * (attempt + 1)
 
-    def kill_store(counts) -> bool:
-        if time.monotonic() - started < 0.3:
-            return False
-        victims.extend(ha.kill(store))
-        return True
-    bumped = [[t + 1 for t in p[:1]] + p[1:] for p in fresh]  # never seen: each needs a transfer, as the store dies
-    during = run_streams(ha.router, bumped[:3] + ids[3:], during=kill_store)
-    wait_dead(victims)
-    assert recoveries(ha) > before, "the kill hit transfers in flight, and the engines computed around them"
-    ha.restart(store)
+        def kill_store(counts, victims=victims, started=started, delay_s=delay_s) -> bool:
+            if time.monotonic() - started < delay_s:
+                return False
+            victims.extend(ha.kill(store))
+            return True
+        # never seen: each needs a transfer, as the store dies
+        bumped = [[t + 1 + attempt for t in p[:1]] + p[1:] for p in fresh]
+        during = run_streams(ha.router, bumped[:3] + ids[3:], during=kill_store)
+        wait_dead(victims)
+        hit = recoveries(ha) > before
+        if victims:  # (none: the streams were over before the kill was due)
+            ha.restart(store)
+        reference_bumped = run_streams(ha.router, bumped[:3])
+        assert tokens_of(during) == tokens_of(reference_bumped) + tokens_of(reference[3:])
+        assert all(s.final.finished for s in during)
+        if hit:
+            break
+    assert hit, "the kill hit transfers in flight, and the engines computed around them"
     after = run_streams(ha.router, fresh)  # the restarted store: new arena, blocks pulled again
-    reference_bumped = run_streams(ha.router, bumped[:3])
-    assert tokens_of(during) == tokens_of(reference_bumped) + tokens_of(reference[3:])
     assert tokens_of(after) == tokens_of(reference_fresh)
-    assert all(s.final.finished for s in during + after)
+    assert all(s.final.finished for s in after)
 
 
 def test_past_the_admission_limit_requests_are_refused_at_once_with_pushback(ha, engine, tmp_path):
@@ -159,9 +176,12 @@ def test_past_the_admission_limit_requests_are_refused_at_once_with_pushback(ha,
         router = settings["listen"]
         reference = run_streams(router, ids)[0].tokens
 
+        everyone_connected = threading.Barrier(20)
+
         def one(i):
             with RouterClient(router) as client:
                 grpc.channel_ready_future(client.channel).result(timeout=30)  # time the call, not the connect
+                everyone_connected.wait(timeout=60)  # one burst, however slowly the threads started
                 start = time.monotonic()
                 try:
                     tokens = [t for m in client.stream(token_ids=ids[0], max_tokens=NEW_TOKENS, ignore_eos=True,
@@ -194,7 +214,7 @@ def test_prefill_fails_over_to_the_other_worker_then_to_the_decode_site(ha, engi
             return False
         victims.extend(ha.kill("prefill-central-0"))
         # its engine core, mid-prefill, exits with the service, not after the step (exit_with_parent)
-        wait_dead(victims, timeout_s=3)
+        wait_dead(victims, timeout_s=AT_ONCE_S)
         return True
     disturbed = run_streams(ha.router, ids, during=kill_one)
     assert tokens_of(disturbed) == tokens_of(reference)

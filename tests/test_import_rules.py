@@ -161,6 +161,15 @@ def test_core_never_touches_generated_stubs_or_grpc(package):
     assert violations(f"ember/{package}", lambda m: is_under(m, "ember.v1") or m.split(".")[0].startswith("grpc")) == []
 
 
+def test_the_product_never_imports_the_benchmarks():
+    """Benchmarks measure the product; the product's own measuring (the parallel planners' costs) lives in
+    ember.util.timing. Only `ember bench` (ember/cli.py) reaches the benchmarks."""
+    def bench(m: str) -> bool:
+        return is_under(m, "ember.bench")
+    found = violations("ember", bench) + violations("services", bench)
+    assert [v for v in found if not v.startswith(("ember/bench/", "ember/cli.py:"))] == []
+
+
 def test_the_kvstore_never_imports_torch():
     """It stores bytes (the runtime check is TORCH_FREE above)."""
     assert violations("services/kvstore", _torch) == []

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -31,6 +30,7 @@ NEW_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def linked(tmp_path_factory, model_path) -> Cluster:
+    """Private: the router at the edge and a 60 ms link between the sites (the streaming bench's rig)."""
     run_dir = tmp_path_factory.mktemp("kv-streaming")
     config = linked_config(run_dir, True, str(model_path), engine={"kv_cache_mb": 256, "threads": 1})
     with running(config, run_dir, timeout_s=300):
@@ -90,12 +90,20 @@ def test_a_stream_cut_halfway_recomputes_the_same_tokens_and_leaves_no_lease(lin
     result: list = []
     request = threading.Thread(target=lambda: result.append(generate(linked, ids, "cut")), daemon=True)
     request.start()
+    import psutil
+    [core] = [c for c in psutil.Process(linked.pid("prefill-central")).children()
+              if "ember.serving.core_process" in c.cmdline()]
     try:
-        deadline = time.monotonic() + 120
-        while edge_blocks(linked) - before < PROMPT_TOKENS // 16 // 2:  # the first chunk (half) has landed
-            assert time.monotonic() < deadline and request.is_alive(), "the first chunk never reached the edge"
-            time.sleep(0.01)
-        linked.set_faults(to_cut)
+        wait_until(lambda: edge_blocks(linked) - before >= PROMPT_TOKENS // 16 // 2 or not request.is_alive(), 120,
+                   "the first chunk (half the blocks) at the edge")
+        assert request.is_alive(), "the request ended before its first chunk reached the edge"
+        # the streaming prefill frozen while the links are cut (however fast this host computes the
+        # second chunk, it cannot cross before the cut), then let go on the cut links
+        core.suspend()
+        try:
+            linked.set_faults(to_cut)
+        finally:
+            core.resume()
         request.join(timeout=240)
         assert not request.is_alive(), "the request hung on the cut link"
     finally:

@@ -16,7 +16,7 @@ from ember.rpc.errors import ErrorInterceptor
 from ember.services.kvstore.service import KVStoreService
 from ember.services.kvstore.store import BlockStore
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
-from tests.cluster_fixture import wait_until_async
+from tests.cluster_fixture import AT_ONCE_S, wait_until_async
 from tests.test_kvstore_unit import frame
 
 SIZE = wire.frame_bytes(2 * 2 * 2 * 16 * 4 * 2)  # tests.test_kv_wire.LAYOUT
@@ -193,12 +193,13 @@ def test_an_expired_lease_is_failed_precondition_not_silence():
         async with kvstore(4) as (svc, stub, _):
             h, f = frame(0)
             svc.store.put(h, f)
-            lease = await stub.Acquire(kvstore_pb2.AcquireRequest(block_hashes=[h, b"\x07" * 16], lease_s=0.2))
+            # (a 1 s lease: the Stats and Renew calls must come within it on a loaded host too)
+            lease = await stub.Acquire(kvstore_pb2.AcquireRequest(block_hashes=[h, b"\x07" * 16], lease_s=1.0))
             assert list(lease.present) == [True, False] and lease.frame_bytes == SIZE
             assert (await stub.Stats(kvstore_pb2.StatsRequest())).pinned_blocks == 1
-            renewed = await stub.Renew(kvstore_pb2.LeaseRequest(lease_id=lease.lease_id, lease_s=0.2))
-            assert renewed.expires_in_s == pytest.approx(0.2)
-            stats = await until(lambda s: s.leases == 0, stub, deadline_s=5)  # the TTL ran out
+            renewed = await stub.Renew(kvstore_pb2.LeaseRequest(lease_id=lease.lease_id, lease_s=1.0))
+            assert renewed.expires_in_s == pytest.approx(1.0)
+            stats = await until(lambda s: s.leases == 0, stub, deadline_s=AT_ONCE_S)  # the TTL ran out
             assert stats.pinned_blocks == 0 and stats.leases_expired == 1 and stats.leases_renewed == 1
             with pytest.raises(grpc.aio.AioRpcError) as e:
                 await stub.Release(kvstore_pb2.LeaseRequest(lease_id=lease.lease_id))

@@ -127,8 +127,9 @@ async def _scenario(exporter) -> tuple[dict, list[str]]:
             assert len(await flood.__aiter__().__anext__()) == 2**20
             await asyncio.sleep(0.2)  # the server fills the flow-control window and blocks writing
             flood.cancel()  # ... so the cancel reaches it in gRPC's write, not in the handler
-            deadline = time.monotonic() + 5
-            while not {"slow", "flood"} <= set(closed) and time.monotonic() < deadline:
+            deadline = time.monotonic() + 30
+            while not {"slow", "flood"} <= set(closed):
+                assert time.monotonic() < deadline, f"the server never closed both handlers: {closed}"
                 await asyncio.sleep(0.01)
     finally:
         await server.server.stop(0)

@@ -54,7 +54,7 @@ def certs(cluster, name: str) -> security.Credentials:
 
 def health(channel: grpc.Channel) -> grpc.StatusCode:
     try:
-        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         return grpc.StatusCode.OK
     except grpc.RpcError as e:
         return e.code()

@@ -36,16 +36,17 @@ def test_past_capacity_the_excess_is_refused_at_once_and_the_admitted_streams_ar
     # admitted stream took from call to end (the first to free a slot); every refusal came sooner
     # (the first admitted *token* is no bound: on a loaded host a refusal lost to it at 0.13 s)
     assert r["refusal_s"]["max"] < min(r["accepted_e2e_s"]), (r["refusal_s"], r["accepted_e2e_s"])
-    # the refused 72 cost the admitted 8 little: their p99 TTFT against 8 streams alone at once,
-    # measured side by side (`ember bench overload` reported 0.81-1.33 on a quiet host); a router
-    # that worked on what it refuses would cost several times that
-    assert r["accepted_p99_over_at_capacity_p99"] <= 4.0, r
+    # the refused 72 cost the admitted 8 little: their median TTFT against 8 streams alone at once,
+    # measured side by side (the p99, i.e. the slowest of 8, is printed: `ember bench overload`
+    # reported 0.81-1.33 on a quiet host, and one stall of a loaded host decides it)
+    assert r["accepted_p50_over_at_capacity_p50"] <= 2.0, r
     assert got["router_rss_growth_mb"] < 50, got
 
 
 def test_over_http_the_excess_gets_429_with_retry_after_at_once(capped):
     """The OpenAI API's burst: the same admission limit answers 429 in OpenAI's error shape with a
     Retry-After header, before any admitted request's answer."""
+    import threading
     import time
     import urllib.error
     import urllib.request
@@ -55,9 +56,12 @@ def test_over_http_the_excess_gets_429_with_retry_after_at_once(capped):
     body = {"model": "SmolLM2-135M-Instruct.Q4_1", "max_tokens": 8, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Name three rivers."}]}
 
+    everyone_ready = threading.Barrier(24)
+
     def one(_):
         request = urllib.request.Request(f"http://{http}/v1/chat/completions", data=json.dumps(body).encode(),
                                          headers={"Content-Type": "application/json"})
+        everyone_ready.wait(timeout=60)  # one burst, however slowly the threads started
         start = time.monotonic()
         try:
             with urllib.request.urlopen(request, timeout=300) as r:

@@ -32,6 +32,8 @@ TIMEOUT_S = 120
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory, model_path):
+    """Private: API keys required at its router, whose block directory (the kvstores publish to it)
+    the tenant tests read; a second router in front of a session cluster would have an empty one."""
     run_dir = tmp_path_factory.mktemp("secure-router")
     path = run_dir / "cluster.yaml"
     addr = write_config(path)

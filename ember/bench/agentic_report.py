@@ -126,8 +126,8 @@ class ProgressBar:
 
 def plot(result: dict, out_dir: Path) -> list[str]:
     """PNGs: TTFT / TPOT CDFs per system (agentic replay), and median TTFT by turn number."""
-    import matplotlib
-    matplotlib.use("Agg")
+    from ember.bench.measure import require
+    require("matplotlib", "the agentic bench's plots").use("Agg")
     import matplotlib.pyplot as plt
     replay = {k: v for k, v in result.get("replay", {}).items() if "records" in v}
     written = []

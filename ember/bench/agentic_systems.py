@@ -168,6 +168,9 @@ class Transformers:
 
     def __init__(self, model: str, threads: int):
         import torch
+
+        from ember.bench.measure import require
+        require("transformers", "the transformers peer")
         from transformers import AutoModelForCausalLM, AutoTokenizer
         path = Path(model)
         torch.set_num_threads(threads)

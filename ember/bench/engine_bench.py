@@ -140,6 +140,8 @@ def targets(result: dict) -> dict:
 
 
 def main(args) -> int:
+    from ember.bench.measure import require
+    require("transformers", "the engine bench's transformers peer")
     from transformers import AutoModelForCausalLM
     threads = args.threads or os.cpu_count() or 1
     model = Path(args.model)

@@ -141,10 +141,15 @@ class KVStoreProcess:
     its own, `capacity_mb` and `codec_mode`), its inter-site hops through `routes` (ADDRESS=RELAY)."""
 
     def __init__(self, run_dir: Path, name: str, capacity_mb: int = 256, codec_mode: str = "raw",
-                 config: Path | None = None, site: str = "solo", routes: list[str] = ()):
+                 config: Path | None = None, site: str = "solo", routes: list[str] = (),
+                 peers: list[KVStoreProcess] = ()):
+        """peers: stores this one may pull from (a kvstore pulls only from the kvstores of its config)."""
         if config is None:
             config = run_dir / f"{name}.yaml"
-            write_kvstore_config(config, capacity_mb, codec_mode, site)
+            site = name
+            write_kvstore_config(config, capacity_mb, codec_mode, site, peers=[
+                {"name": p.site, "kvstore": p.address, "kvstore_data": p.data} for p in peers])
+        self.site = site
         addr = next(s for s in yaml.safe_load(config.read_text())["sites"] if s["name"] == site)
         self.address, self.data = addr["kvstore"], addr.get("kvstore_data")
         self.log = run_dir / f"{name}.log"
@@ -254,8 +259,8 @@ def main(args) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp)
         src = KVStoreProcess(run_dir, "src", capacity_mb=2 * set_mb * reps + 8)
-        dst = KVStoreProcess(run_dir, "dst", capacity_mb=set_mb + 8)
-        dst_planes = KVStoreProcess(run_dir, "dst-planes", capacity_mb=set_mb + 8, codec_mode="planes")
+        dst = KVStoreProcess(run_dir, "dst", capacity_mb=set_mb + 8, peers=[src])
+        dst_planes = KVStoreProcess(run_dir, "dst-planes", capacity_mb=set_mb + 8, codec_mode="planes", peers=[src])
         try:
             for store in (src, dst, dst_planes):
                 store.wait()

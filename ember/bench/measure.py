@@ -2,21 +2,10 @@
 from __future__ import annotations
 
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
-
-def median_time(fn, reps: int = 3, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from ember.util.timing import median_time  # noqa: F401 - the benchmarks' import of it
 
 
 def matmul_gflops(dtype, threads: int) -> dict[str, float]:
@@ -44,6 +33,17 @@ def matmul_gflops(dtype, threads: int) -> dict[str, float]:
             rates[f"onednn_{name}"] = 2 * m * k * n / median_time(lambda a=a, p=packed: p(a), reps=5) / 1e9
     rates["roofline"] = max(rates.values())
     return rates
+
+
+def require(module: str, why: str):
+    """`import module` for a benchmark that measures against it (a peer or a plot library, not a
+    dependency of the product): a clear message when it is missing, not a traceback."""
+    import importlib
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise SystemExit(f"ember bench: {why} needs the Python package {module.split('.')[0]!r}, which is not "
+                         "installed: pip install 'ember[bench]' (or .venv from `make setup`, which has it)") from None
 
 
 def progress(message: str) -> None:

@@ -120,6 +120,9 @@ def measure(router: str, router_pid: int, tok, capacity: int = 8, clients: int =
                                     for i in accepted),
             "accepted_p99_over_unloaded": round(acc / un, 3) if acc else None,
             "accepted_p99_over_at_capacity_p99": round(acc / cap, 3) if acc else None,
+            "accepted_p50_over_at_capacity_p50": round(statistics.median(burst[i]["ttft_s"] for i in accepted)
+                                                       / statistics.median(s["ttft_s"] for s in at_capacity), 3)
+            if accepted else None,
             "at_capacity_p99_over_unloaded": round(cap / un, 3),
         })
     rss_after = proc.memory_info().rss

@@ -35,6 +35,7 @@ from ember.rpc import security
 from ember.v1 import decode_pb2, decode_pb2_grpc, kvstore_pb2, kvstore_pb2_grpc, router_pb2
 
 POLL_S = 0.05
+SCRAPE_S = 10.0  # a service's /metrics on a loaded host: slow is not absent
 
 
 class Cluster:
@@ -163,7 +164,7 @@ class Cluster:
         """The router's `ember:worker_live` for worker `name` (1.0 live, 0.0 down, None unknown)."""
         info = self.services[name]
         key = f'ember:worker_live{{address="{info["address"]}",role="{info["role"]}",site="{info["site"]}"}}'
-        return scrape(self.services["router"]["metrics"]).get(key)
+        return scrape(self.services["router"]["metrics"], SCRAPE_S).get(key)
 
     def wait_router_sees(self, name: str, live: bool, timeout_s: float = 10) -> float:
         """Until the router's /metrics count worker `name` live (or down); a restarted worker is back
@@ -194,7 +195,7 @@ class Cluster:
         """Sequences running or waiting at each prefill worker (its /metrics)."""
         load = {}
         for name in self.names("prefill"):
-            m = scrape(self.services[name]["metrics"])
+            m = scrape(self.services[name]["metrics"], SCRAPE_S)
             load[name] = m.get("ember:num_requests_running", 0) + m.get("ember:num_requests_waiting", 0)
         return load
 
@@ -223,11 +224,17 @@ class Cluster:
             raise LookupError(f"{len(relays)} relays lead to {name} ({target}); is placement.emulate_links on?")
         return relays[0]
 
-    def set_faults(self, faults: dict[str, str]) -> None:
-        """{relay listen address: mode} for the relay (re-read every 0.1 s); {} heals every link."""
-        path = self.run_dir / "faults.json"
-        path.with_suffix(".tmp").write_text(json.dumps(faults))
+    def set_faults(self, faults: dict[str, str], timeout_s: float = 30) -> None:
+        """{relay listen address: mode} for the relay (it re-reads the file every 0.1 s); {} heals every
+        link. Returns once the relay says the modes are in force (faults.json.applied)."""
+        path, text = self.run_dir / "faults.json", json.dumps(faults)
+        path.with_suffix(".tmp").write_text(text)
         path.with_suffix(".tmp").replace(path)  # the relay never reads a half-written file
+        applied, deadline = self.run_dir / "faults.json.applied", time.monotonic() + timeout_s
+        while not (applied.exists() and applied.read_text() == text):
+            if time.monotonic() > deadline or not self.alive("links"):
+                raise TimeoutError(f"the links relay did not apply {text} within {timeout_s} s")
+            time.sleep(POLL_S)
 
 
 def wait_dead(pids: list[int], timeout_s: float = 30) -> float:

@@ -191,7 +191,9 @@ def wait_serving(address: str, deadline: float, proc: subprocess.Popen, log_path
 
 
 def up(config_path: str | Path | None = None, run_dir: str | Path | None = None,
-       timeout_s: float = 300) -> ClusterConfig:
+       timeout_s: float = 300, env: dict[str, str] | None = None) -> ClusterConfig:
+    """Start the cluster of `config_path` (see the module's docstring). `env`: variables every service
+    gets on top of this process's environment (kept in services.json: a restart gets them too)."""
     config_path = Path(config_path or default_config()).resolve()
     run_dir = Path(run_dir or default_run_dir()).resolve()
     config = load_config(config_path)
@@ -207,14 +209,15 @@ def up(config_path: str | Path | None = None, run_dir: str | Path | None = None,
         write_cluster_certs(config, run_dir / "certs")
     try:
         for name, (argv, _) in commands.items():
-            procs[name] = spawn(run_dir, name, argv, tls_env(config, run_dir, name))
+            procs[name] = spawn(run_dir, name, argv, {**(env or {}), **tls_env(config, run_dir, name)})
             (run_dir / "pids.json").write_text(json.dumps({n: p.pid for n, p in procs.items()}))
         specs = {svc.name: svc for svc in services(config)}
         (run_dir / "services.json").write_text(json.dumps(  # for `ember status`, restarts and tests
             {n: {"address": a, "role": specs[n].role if n in specs else n,
                  "site": specs[n].site if n in specs else None,
                  "metrics": argv[argv.index("--metrics-listen") + 1] if "--metrics-listen" in argv else None,
-                 "argv": argv, "env": tls_env(config, run_dir, n)} for n, (argv, a) in commands.items()}, indent=1))
+                 "argv": argv, "env": {**(env or {}), **tls_env(config, run_dir, n)}}
+             for n, (argv, a) in commands.items()}, indent=1))
         deadline = time.monotonic() + timeout_s
         creds = credentials(run_dir)
         for name, (_, address) in commands.items():

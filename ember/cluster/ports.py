@@ -39,14 +39,15 @@ def write_local_config(path: Path, model: str, kvstore_capacity_mb: int = 256, d
 
 
 def write_kvstore_config(path: Path, capacity_mb: int = 256, codec: str = "auto", site: str = "solo",
-                         tls_dir: str | None = None) -> dict[str, str]:
-    """A one-site config holding only a kvstore on free ports (kvstore tests and benchmarks):
-    `ember serve kvstore --config PATH --site solo`. Plaintext (`security: {tls: plaintext}`) unless
-    `tls_dir` names certificate folders (`{name}`: the service's; ember.cluster.certs writes them).
-    Returns its gRPC and data addresses."""
+                         tls_dir: str | None = None, peers: list[dict] = ()) -> dict[str, str]:
+    """A config holding only kvstores (kvstore tests and benchmarks): site `site` on free ports, for
+    `ember serve kvstore --config PATH --site SITE`, beside `peers` (other sites' entries, {"name",
+    "kvstore", "kvstore_data"}: the stores it may pull from). Plaintext (`security: {tls: plaintext}`)
+    unless `tls_dir` names certificate folders (`{name}`: the service's; ember.cluster.certs writes
+    them). Returns its gRPC and data addresses."""
     addr = {"kvstore": f"127.0.0.1:{free_port()}", "kvstore_data": f"127.0.0.1:{free_port()}"}
     security = {"tls": "files", "tls_dir": tls_dir} if tls_dir else {"tls": "plaintext"}
-    path.write_text(yaml.safe_dump({"sites": [{"name": site, **addr}],
+    path.write_text(yaml.safe_dump({"sites": [{"name": site, **addr}, *peers],
                                     "kvstore": {"capacity_mb": capacity_mb, "codec": codec},
                                     "security": security}, sort_keys=False))
     return addr

@@ -22,12 +22,13 @@ def health(address: str, creds: security.Credentials | None = None) -> str:
         return e.code().name
 
 
-def scrape(address: str | None) -> dict[str, float]:
-    """Every sample of the service's /metrics (Prometheus text, prometheus_client's parser)."""
+def scrape(address: str | None, timeout_s: float = 2.0) -> dict[str, float]:
+    """Every sample of the service's /metrics (Prometheus text, prometheus_client's parser); {} when it
+    does not answer within `timeout_s`."""
     if not address:
         return {}
     try:
-        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=2).read().decode()
+        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout_s).read().decode()
     except OSError:
         return {}
     values: dict[str, float] = {}

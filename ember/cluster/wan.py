@@ -25,6 +25,7 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 _CHUNK = 64 * 1024
 
@@ -163,12 +164,19 @@ def main() -> None:
 
 
 def apply_faults(path: str, states: dict[str, LinkState]) -> None:
+    """Set every relay's mode from `path`; once a new content is in force, say so in PATH.applied (the
+    same text: ember.cluster.chaos.Cluster.set_faults waits for it)."""
     try:
-        wanted = json.loads(open(path).read())
+        text = open(path).read()
+        wanted = json.loads(text)
     except (OSError, ValueError):
         return  # absent or half-written: keep the modes as they are
     for listen, state in states.items():
         state.set(wanted.get(listen, "none"))
+    applied = Path(path + ".applied")
+    if not applied.exists() or applied.read_text() != text:
+        applied.with_suffix(".tmp").write_text(text)
+        applied.with_suffix(".tmp").replace(applied)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ember.bench.measure import median_time
 from ember.engine.device import rank_device
 from ember.engine.kv_cache import PagedKVCache
 from ember.engine.model_runner import ModelRunner, StepInputs
@@ -34,6 +33,7 @@ from ember.parallel import group
 from ember.parallel.shard import plan
 from ember.parallel.tensor_parallel import ParallelRunner, RankPart, ShardedKVCache, model_args
 from ember.parallel.tensor_parallel import measure_costs as tp_costs
+from ember.util.timing import median_time
 
 
 def partition(num_layers: int, stages: int, layer: float, first_extra: float, last_extra: float) -> list[int]:

@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ember.bench.measure import median_time
 from ember.engine.device import rank_device
 from ember.engine.kv_cache import PagedKVCache
 from ember.engine.model_runner import ModelRunner, StepInputs
 from ember.kv.block_hash import KVLayout
 from ember.parallel import group
 from ember.parallel.shard import ALIGN, RankShard, ShardCosts, plan
+from ember.util.timing import median_time
 
 
 def model_args(config):
