@@ -26,7 +26,7 @@ proto: venv
 
 # Every test's duration goes to .test-durations.txt (by file and by test, slowest first; CI prints it).
 test: setup
-	EMBER_TEST_DURATIONS=.test-durations.txt $(BIN)/python -m pytest -q --durations=15
+	EMBER_TEST_DURATIONS=.test-durations.txt $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15
 
 lint: venv
 	$(BIN)/ruff check ember services tests

@@ -37,8 +37,8 @@ def _exact(run_dir: Path, model: str) -> dict:
 def _shipped(name: str) -> Callable[[Path, str], dict]:
     def write(run_dir: Path, model: str) -> dict:
         from ember.cluster.ports import on_free_ports
-        on_free_ports(ROOT / "configs" / name, run_dir / "cluster.yaml", model)
-        return {}
+        router = on_free_ports(ROOT / "configs" / name, run_dir / "cluster.yaml", model)["router"]
+        return {"router": router["listen"], "router_http": router.get("http")}
     return write
 
 
@@ -49,8 +49,8 @@ FIXTURES = {f"{kind}_cluster": kind for kind in CONFIGS}  # conftest's fixture n
 
 @dataclass
 class Running:
-    """A session cluster: its chaos handle (kill, restart, stats, reset), its config file, and the
-    addresses write_config returned (exact only: router, prefill, decode, kv_central, ...)."""
+    """A session cluster: its chaos handle (kill, restart, stats, reset), its config file, and its
+    addresses (router, router_http; the exact one's also prefill, decode, kv_central, ...: write_config's)."""
     kind: str
     cluster: Cluster
     config: Path
@@ -60,6 +60,10 @@ class Running:
     @property
     def run_dir(self) -> Path:
         return self.cluster.run_dir
+
+    def as_dict(self) -> dict:
+        """Its addresses, plus `config` (the YAML's path) and `run_dir`."""
+        return self.addr | {"config": str(self.config), "run_dir": self.run_dir}
 
 
 class SessionClusters:

@@ -140,31 +140,43 @@ default_cluster = _session_cluster("default")
 ha_cluster = _session_cluster("ha")
 
 
+def pytest_configure(config):
+    """Under pytest-xdist (`make test` runs two workers), each worker draws its ports from a range of
+    its own (EMBER_PORT_RANGE, ember.cluster.ports), so two workers never hand out one port."""
+    worker = getattr(config, "workerinput", {}).get("workerid")
+    if worker is not None:
+        n = int(worker.removeprefix("gw"))
+        os.environ["EMBER_PORT_RANGE"] = f"{20000 + 3000 * (n % 4)}-{20000 + 3000 * (n % 4) + 2999}"
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """The modules of one session cluster run together (a stable sort: the rest keeps its order, and
-    the tests that use no session cluster run first), so each cluster starts once."""
+    """The modules of one session cluster run together (a stable sort: the rest keeps its order), so
+    each cluster starts once; they run first, as one unit of work for one xdist worker (the longest,
+    `xdist_group` "session-clusters"), while every other module is a unit of its own (its module-scoped
+    fixtures, a private cluster say, set up once)."""
     from tests.clusters import FIXTURES
     kinds = list(FIXTURES)
 
     def group(item) -> int:
         used = [kinds.index(f) for f in item.fixturenames if f in FIXTURES]
-        return 1 + min(used) if used else 0
+        return min(used) if used else len(kinds)
     items.sort(key=group)
+    for item in items:
+        unit = "session-clusters" if group(item) < len(kinds) else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(unit))
 
 
 @pytest.fixture(scope="module")
 def shared_cluster(exact_cluster):
     """The exact cluster's addresses (tests/cluster_fixture.write_config), plus `config` (the YAML) and
     `run_dir`."""
-    return exact_cluster.addr | {"config": str(exact_cluster.config), "run_dir": exact_cluster.run_dir}
+    return exact_cluster.as_dict()
 
 
-@pytest.fixture(scope="module", name="api")
-def openai_api(shared_cluster):
-    """The official `openai` client on the shared cluster's HTTP API (no retries: a failure shows)."""
+def openai_client(http_address: str):
+    """The official `openai` client on a router's HTTP API (no retries: a failure shows)."""
     import openai
-    return openai.OpenAI(base_url=f"http://{shared_cluster['router_http']}/v1", api_key="unused", max_retries=0,
-                         timeout=180)
+    return openai.OpenAI(base_url=f"http://{http_address}/v1", api_key="unused", max_retries=0, timeout=180)
 
 
 # -- durations kept: `make test` sets EMBER_TEST_DURATIONS, .ci/run prints the file --------------------
@@ -176,9 +188,10 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Every test's seconds (setup + call + teardown) and each file's total, slowest first."""
+    """Every test's seconds (setup + call + teardown) and each file's total, slowest first (written by
+    the controller, which hears every worker's reports)."""
     path = os.environ.get("EMBER_TEST_DURATIONS")
-    if not path or not _durations:
+    if not path or not _durations or hasattr(session.config, "workerinput"):
         return
     files: dict[str, float] = {}
     for nodeid, seconds in _durations.items():

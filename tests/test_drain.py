@@ -248,11 +248,24 @@ def test_sigterm_drains_decode(cluster, restarts):
     print(name, at)
 
 
-def engine_core(cluster: Cluster, name: str):
-    """The engine core process (psutil) of worker `name`."""
-    import psutil
-    [core] = [c for c in psutil.Process(cluster.pid(name)).children() if "ember.serving.core_process" in c.cmdline()]
-    return core
+class engine_core:  # noqa: N801 - reads as what it is: engine_core(cluster, name).suspend()
+    """Worker `name`'s engine core process, frozen (SIGSTOP) and let go (SIGCONT): an in-flight call it
+    serves is held while a drain is watched. Letting go of a core that has exited is nothing."""
+
+    def __init__(self, cluster: Cluster, name: str):
+        import psutil
+        [self.process] = [c for c in psutil.Process(cluster.pid(name)).children()
+                          if "ember.serving.core_process" in c.cmdline()]
+
+    def suspend(self) -> None:
+        self.process.suspend()
+
+    def resume(self) -> None:
+        import psutil
+        try:
+            self.process.resume()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def test_sigterm_drains_prefill(cluster, restarts):

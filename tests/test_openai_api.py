@@ -1,4 +1,6 @@
-"""The OpenAI-compatible HTTP API, driven by the official `openai` client against a real cluster."""
+"""The OpenAI-compatible HTTP API, driven by the official `openai` client against a real cluster: the
+session's default cluster (configs/local.yaml, the GGUF's Q4_1 codes), its tokens checked against an
+in-process engine on the same weights."""
 from __future__ import annotations
 
 import openai
@@ -8,8 +10,20 @@ from ember.engine.sampling_params import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def cluster(shared_cluster):
-    return shared_cluster  # (conftest: one cluster for the modules that only send it requests)
+def cluster(default_cluster):
+    return default_cluster.as_dict()
+
+
+@pytest.fixture(scope="module")
+def api(cluster):
+    from tests.conftest import openai_client
+    return openai_client(cluster["router_http"])
+
+
+@pytest.fixture(scope="module")
+def engine(q4_engine):
+    """The reference: an engine on the cluster's own weights and settings (the q4 path)."""
+    return q4_engine()
 
 
 def local_chat(engine, messages, max_tokens):

@@ -1,16 +1,43 @@
 """Free loopback ports and a cluster config laid out on them (tests and benchmarks)."""
 from __future__ import annotations
 
+import os
+import random
 import socket
 from pathlib import Path
 
 import yaml
 
 
+def _port_range() -> range:
+    """EMBER_PORT_RANGE=LOW-HIGH (inclusive), else 20000-32767: below Linux's ephemeral range (32768-60999,
+    where the kernel picks the local port of every outgoing connection, so a port found free there can
+    be a client socket's by the time a service binds it). Processes that draw at once (parallel test
+    workers) take disjoint ranges."""
+    low, _, high = os.environ.get("EMBER_PORT_RANGE", "20000-32767").partition("-")
+    return range(int(low), int(high) + 1)
+
+
+# drawn from the range, never the same one twice in this process, and checked free when drawn
+_handed_out: set[int] = set()
+_draw = random.Random()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nothing listens on now, not handed out before by this process."""
+    ports = _port_range()
+    for _ in range(1000):
+        port = _draw.choice(ports)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free loopback port in {ports.start}-{ports.stop - 1} (EMBER_PORT_RANGE)")
 
 
 def write_local_config(path: Path, model: str, kvstore_capacity_mb: int = 256, directory: str | None = None,
