@@ -29,6 +29,8 @@ def _rank_processes() -> list:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("prefill", [{"tensor_parallel": 3}, {"pipeline_parallel": 2}], ids=["tp3", "pp2"])
 def test_a_parallel_prefill_and_a_tp1_decode_give_the_reference_tokens(tmp_path, engine, hf_greedy, prefill):
+    """A cluster of its own (restarting a session cluster's prefill worker at TP=3 and back costs more
+    than starting one, and its prompt must be one no other module has cached)."""
     from ember.cluster.launcher import running
     config = tmp_path / "cluster.yaml"
     addr = write_config(config)
