@@ -274,7 +274,7 @@ def main(args) -> int:
     if unknown:
         raise SystemExit(f"unknown scenarios {sorted(unknown)}; choose from {', '.join(SCENARIOS)}")
     tok = Tokenizer.from_folder(model_folder(model))
-    streams, new_tokens = (8, 16) if args.quick else (16, 24)
+    streams, new_tokens = (4, 12) if args.quick else (16, 24)  # --quick: a smoke run
     nonce = time.strftime("%H%M%S")  # prompts this cluster has never seen
 
     def short(tag: str, n: int = streams) -> list[list[int]]:

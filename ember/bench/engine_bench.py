@@ -108,12 +108,13 @@ def compare(systems: dict, lengths, batches, new_tokens: int, reps: int) -> dict
     return out
 
 
-def run_serve_probe(model: str, kv_cache_mb: int | None, threads: int) -> dict:
+def run_serve_probe(model: str, kv_cache_mb: int | None, threads: int, runs: int = 2) -> dict:
+    """`runs` fresh serving processes (the first pays cold caches); the last one's figures."""
     cmd = [sys.executable, "-m", "ember.bench.serve_probe", "--model", model,
            "--kv-cache-mb", str(kv_cache_mb or 512), "--threads", str(threads)]
-    runs = [json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600).stdout)
-            for _ in range(2)]
-    return runs[-1] | {"startup_to_first_token_s_first_run": runs[0]["startup_to_first_token_s"]}
+    out = [json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600).stdout)
+           for _ in range(runs)]
+    return out[-1] | {"startup_to_first_token_s_first_run": out[0]["startup_to_first_token_s"]}
 
 
 def targets(result: dict) -> dict:
@@ -145,7 +146,8 @@ def main(args) -> int:
     from transformers import AutoModelForCausalLM
     threads = args.threads or os.cpu_count() or 1
     model = Path(args.model)
-    lengths, batches, new_tokens, reps = ((128, 512), (1, 8), 8, 1) if args.quick else ((512, 2048), (1, 8, 32), 48, 3)
+    # --quick: a smoke run through every part (its figures are not comparable with a full run's)
+    lengths, batches, new_tokens, reps = ((64, 256), (1, 4), 4, 1) if args.quick else ((512, 2048), (1, 8, 32), 48, 3)
     result = {
         "machine": {"cpu_count": os.cpu_count(), "threads": threads, "platform": platform.platform(),
                     "torch": torch.__version__},
@@ -172,7 +174,8 @@ def main(args) -> int:
                                           for n, rate in result[name]["prefill_tok_s"].items()}
     del systems, hf
     progress("serving process: startup and peak RSS")
-    result["serving_process"] = run_serve_probe(str(model), args.kv_cache_mb, threads)
+    result["serving_process"] = run_serve_probe(str(model), 64 if args.quick else args.kv_cache_mb, threads,
+                                                runs=1 if args.quick else 2)
     result["targets"] = targets(result)
     write_result(result, args.output)
     return 0

@@ -17,7 +17,8 @@ import time
 
 from ember.bench.measure import progress, write_result
 
-STREAMS, TOKENS = 16, 32
+STREAMS, TOKENS = 16, 32  # --quick, a smoke run: QUICK_STREAMS, QUICK_TOKENS and TP 1-2 only
+QUICK_STREAMS, QUICK_TOKENS = 4, 4
 PROMPT = ("The keeper wrote down every ship that passed the lighthouse, its flag and its cargo. " * 6
           + "Story {}: on the morning of the storm,")
 
@@ -28,25 +29,25 @@ def _config(model: str, threads: int, degree: int, **extra):
                         tensor_parallel=degree, **extra)
 
 
-def _decode(engine, prompts: list[str], before_decode=None) -> dict:
-    """Prefill the prompts, then time the decode of TOKENS each (all streams batched); before_decode()
+def _decode(engine, prompts: list[str], tokens: int, before_decode=None) -> dict:
+    """Prefill the prompts, then time the decode of `tokens` each (all streams batched); before_decode()
     runs between the two (counters reset, replicas lined up)."""
     from ember.engine.sampling_params import SamplingParams
     for p in prompts:
-        engine.add_request(p, SamplingParams(max_tokens=TOKENS, ignore_eos=True))
+        engine.add_request(p, SamplingParams(max_tokens=tokens, ignore_eos=True))
     while not all(s.num_output_tokens for s in engine.seqs.values()):
         engine.step()  # prefill (and the first token)
     if before_decode is not None:
         before_decode()
-    steps, start, tokens = 0, time.perf_counter(), 0
+    steps, start, produced = 0, time.perf_counter(), 0
     while engine.has_unfinished():
-        tokens += sum(len(o.new_token_ids) for o in engine.step())
+        produced += sum(len(o.new_token_ids) for o in engine.step())
         steps += 1
     wall = time.perf_counter() - start
-    return {"tok_per_s": round(tokens / wall, 1), "step_ms": round(1000 * wall / steps, 2), "steps": steps}
+    return {"tok_per_s": round(produced / wall, 1), "step_ms": round(1000 * wall / steps, 2), "steps": steps}
 
 
-def _tensor_parallel(model: str, threads: int, degree: int) -> dict:
+def _tensor_parallel(model: str, threads: int, degree: int, streams: int, tokens: int) -> dict:
     from ember.engine.engine import LLMEngine
     from ember.parallel import group
     from ember.parallel.shard import rank_cost
@@ -76,7 +77,8 @@ def _tensor_parallel(model: str, threads: int, degree: int) -> dict:
             me.loaded.model.set_tensor_parallel(timed, me.shard.vocab[0])  # the driver's side only
         else:
             result["rank0_weight_mb"] = round(engine.loaded.weights_bytes / 2**20, 1)
-        decode = _decode(engine, [PROMPT.format(i) for i in range(STREAMS)], lambda: reduce_s.__setitem__(0, 0.0))
+        decode = _decode(engine, [PROMPT.format(i) for i in range(streams)], tokens,
+                         lambda: reduce_s.__setitem__(0, 0.0))
         result |= decode  # (the all-reduces of the decode steps only, against their time)
         if degree > 1:
             result["all_reduce_share_of_step"] = None  # filled below
@@ -85,7 +87,7 @@ def _tensor_parallel(model: str, threads: int, degree: int) -> dict:
         engine.close()
 
 
-def _pipeline(model: str, threads: int, tp: int = 1) -> dict:
+def _pipeline(model: str, threads: int, streams: int, tokens: int, tp: int = 1) -> dict:
     from ember.engine.engine import LLMEngine
     start = time.perf_counter()
     engine = LLMEngine(_config(model, threads, tp, pipeline_parallel=2))
@@ -102,7 +104,7 @@ def _pipeline(model: str, threads: int, tp: int = 1) -> dict:
             spent[0] += time.perf_counter() - t0
             return out
         stage0._stage = timed
-        decode = _decode(engine, [PROMPT.format(i) for i in range(STREAMS)], lambda: spent.__setitem__(0, 0.0))
+        decode = _decode(engine, [PROMPT.format(i) for i in range(streams)], tokens, lambda: spent.__setitem__(0, 0.0))
         predicted = runner.predicted_ms
         step_ms = decode["step_ms"]
         stage0_ms = 1000 * spent[0] / decode["steps"]
@@ -117,20 +119,21 @@ def _pipeline(model: str, threads: int, tp: int = 1) -> dict:
         engine.close()
 
 
-def _replica(model: str, threads: int, first: int, count: int, ready, go, results) -> None:
+def _replica(model: str, threads: int, first: int, count: int, tokens: int, ready, go, results) -> None:
     from ember.engine.engine import LLMEngine
     engine = LLMEngine(_config(model, threads, 1))
     ready.wait()  # every replica loaded
-    results.put(_decode(engine, [PROMPT.format(i) for i in range(first, first + count)], go.wait) | {"first": first})
+    results.put(_decode(engine, [PROMPT.format(i) for i in range(first, first + count)], tokens, go.wait)
+                | {"first": first})
 
 
-def _data_parallel(model: str, threads: int, replicas: int = 2) -> dict:
+def _data_parallel(model: str, threads: int, streams: int, tokens: int, replicas: int = 2) -> dict:
     import multiprocessing as mp
     context = mp.get_context("spawn")
     ready, go, results = context.Barrier(replicas + 1), context.Barrier(replicas), context.Queue()
-    per = STREAMS // replicas
+    per = streams // replicas
     each = max(1, threads // replicas)
-    procs = [context.Process(target=_replica, args=(model, each, r * per, per, ready, go, results))
+    procs = [context.Process(target=_replica, args=(model, each, r * per, per, tokens, ready, go, results))
              for r in range(replicas)]
     for p in procs:
         p.start()
@@ -144,29 +147,30 @@ def _data_parallel(model: str, threads: int, replicas: int = 2) -> dict:
 
 def main(args) -> int:
     threads = args.threads or 2
-    result: dict = {"threads": threads, "streams": STREAMS, "tokens": TOKENS, "weights": "dense fp32", "tp": {}}
-    for degree in (1, 2, 3):
-        progress(f"tensor parallel {degree}: start, {STREAMS} streams x {TOKENS} tokens")
-        r = _tensor_parallel(args.model, threads, degree)
+    streams, tokens = (QUICK_STREAMS, QUICK_TOKENS) if args.quick else (STREAMS, TOKENS)
+    result: dict = {"threads": threads, "streams": streams, "tokens": tokens, "weights": "dense fp32", "tp": {}}
+    for degree in (1, 2) if args.quick else (1, 2, 3):
+        progress(f"tensor parallel {degree}: start, {streams} streams x {tokens} tokens")
+        r = _tensor_parallel(args.model, threads, degree, streams, tokens)
         reduce_s = r.pop("_reduce_s")
         if degree > 1:
             decode_s = r["steps"] * r["step_ms"] / 1000
             r["all_reduce_share_of_step"] = round(reduce_s / decode_s, 3) if decode_s else None
         result["tp"][str(degree)] = r
-    progress(f"pipeline parallel 2: {STREAMS} streams x {TOKENS} tokens")
-    result["pp2"] = _pipeline(args.model, threads)
-    progress(f"tensor parallel 2 x pipeline parallel 2: {STREAMS} streams x {TOKENS} tokens")
-    result["tp2_pp2"] = _pipeline(args.model, threads, tp=2)
-    progress(f"data parallel: 2 replicas x {STREAMS // 2} streams")
-    result["dp2"] = _data_parallel(args.model, threads)
+    progress(f"pipeline parallel 2: {streams} streams x {tokens} tokens")
+    result["pp2"] = _pipeline(args.model, threads, streams, tokens)
+    progress(f"tensor parallel 2 x pipeline parallel 2: {streams} streams x {tokens} tokens")
+    result["tp2_pp2"] = _pipeline(args.model, threads, streams, tokens, tp=2)
+    progress(f"data parallel: 2 replicas x {streams // 2} streams")
+    result["dp2"] = _data_parallel(args.model, threads, streams, tokens)
     tp1, tp2, dp2 = result["tp"]["1"]["tok_per_s"], result["tp"]["2"]["tok_per_s"], result["dp2"]["tok_per_s"]
     result["targets"] = {
         "rank 0 weight bytes, TP=2 / TP=1": {
             "value": round(result["tp"]["2"]["rank0_weight_mb"] / result["tp"]["1"]["rank0_weight_mb"], 2),
             "target": "< 0.6"},
-        "16 streams, TP=2 / TP=1": {"value": round(tp2 / tp1, 2), "target": "reported"},
-        "16 streams, 2 DP replicas / TP=2": {"value": round(dp2 / tp2, 2), "target": "> 1 on two cores"},
-        "16 streams, 2 DP replicas / PP=2": {"value": round(dp2 / result["pp2"]["tok_per_s"], 2),
-                                             "target": "> 1 on two cores"}}
+        f"{streams} streams, TP=2 / TP=1": {"value": round(tp2 / tp1, 2), "target": "reported"},
+        f"{streams} streams, 2 DP replicas / TP=2": {"value": round(dp2 / tp2, 2), "target": "> 1 on two cores"},
+        f"{streams} streams, 2 DP replicas / PP=2": {"value": round(dp2 / result["pp2"]["tok_per_s"], 2),
+                                                     "target": "> 1 on two cores"}}
     write_result(result, args.output)
     return 0

@@ -15,6 +15,7 @@ Reports TTFT p50/p90 and TPOT p50 of both and their ratios (targets: within 15%,
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import tempfile
@@ -196,25 +197,31 @@ def main(args) -> int:
     data = cluster_config(str(Path(args.model).resolve()), profile, threads)
     config = ClusterConfig.model_validate(data)
     regions = [r.name for r in config.regions]
-    sessions_per_s, duration = (0.03, 60) if args.quick else (0.1, 480)  # 141 requests; the rig below saturation
+    # --quick: a smoke run (a few sessions, replayed on the first cluster: its figures say nothing)
+    sessions_per_s, duration = (0.3, 10) if args.quick else (0.1, 480)  # 141 requests; the rig below saturation
     trace = traces.agentic(regions, None, sessions_per_s=sessions_per_s, duration_s=duration, mean_turns=4,
                            system_tokens=(300, 900), max_context=2200, max_output=12, tool_scale=0.3, seed=5)
     progress(f"trace: {len(trace)} requests in {len({r.session for r in trace})} sessions")
     progress("starting the 3-site cluster behind emulated links, to measure its engines as served")
-    with _cluster(data):
+    with contextlib.ExitStack() as cluster:
+        cluster.enter_context(_cluster(data))
         hops = {link["a"]: link["rtt_ms"] / 1e3 for link in data["links"] if link["b"] == "west"}
         served = measure_served_profile(data["router"]["listen"], hops)
-    progress(f"served profile: {served}")
-    data["hardware"]["measured"] = served
-    config = ClusterConfig.model_validate(data)
-    if args.write_profile:
-        Path(args.write_profile).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.write_profile).write_text(f"# ember bench placement: the engines' profile as this machine serves "
-                                            f"them in the 3-site calibration cluster\n"
-                                            f"{yaml.safe_dump(data, sort_keys=False)}")
-        progress(f"wrote the measured profile into {args.write_profile}")
-    progress("starting it again with that profile; replaying the trace in real time")
-    with _cluster(data):
+        progress(f"served profile: {served}")
+        data["hardware"]["measured"] = served
+        config = ClusterConfig.model_validate(data)
+        if args.write_profile:
+            Path(args.write_profile).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.write_profile).write_text(f"# ember bench placement: the engines' profile as this machine serves "
+                                                f"them in the 3-site calibration cluster\n"
+                                                f"{yaml.safe_dump(data, sort_keys=False)}")
+            progress(f"wrote the measured profile into {args.write_profile}")
+        if args.quick:
+            progress("replaying the trace in real time on the same cluster (--quick: its placer keeps its profile)")
+        else:
+            progress("starting it again with that profile; replaying the trace in real time")
+            cluster.close()
+            cluster.enter_context(_cluster(data))
         _warm(data["router"]["listen"])
         results = replay(data["router"]["listen"], trace)
     sent = [r for r, _ in results]

@@ -105,7 +105,7 @@ def _run(stream: bool, count: int, first: int, model: str | None) -> list[dict]:
 
 
 def main(args) -> int:
-    count, rounds = (2, 1) if args.quick else (3, 2)
+    count, rounds = (1, 1) if args.quick else (3, 2)  # --quick: a smoke run
     runs: dict[str, list[dict]] = {"streamed": [], "not_streamed": []}
     first = 0
     for r in range(rounds):
