@@ -19,13 +19,15 @@ __all__ = ["AT_ONCE_S", "dial", "free_port", "wait_until", "wait_until_async", "
 AT_ONCE_S = 10.0
 
 
-def write_config(path: Path, directory: str | None = None, shared_memory: bool = True, **engine) -> dict[str, str]:
+def write_config(path: Path, directory: str | None = None, shared_memory: bool = True, overrides: dict | None = None,
+                 **engine) -> dict[str, str]:
     """The two-site cluster on free ports, serving the exact path (fp32 dense: its tokens are checked
-    against transformers) unless `engine` says otherwise."""
+    against transformers) unless `engine` says otherwise; `overrides`: any other settings, section by
+    section ({"router": {"require_api_key": True}})."""
     engine.setdefault("dtype", "float32")
     engine.setdefault("weights", "dense")
     return write_local_config(path, str(DEFAULT_MODEL_PATH), directory=directory, shared_memory=shared_memory,
-                              **engine)
+                              overrides=overrides, **engine)
 
 
 def dial(cluster: dict, key: str, as_service: str = "operator", options=None):

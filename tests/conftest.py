@@ -151,9 +151,9 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(session, config, items):
     """The modules of one session cluster run together (a stable sort: the rest keeps its order), so
-    each cluster starts once; they run first, as one unit of work for one xdist worker (the longest,
-    `xdist_group` "session-clusters"), while every other module is a unit of its own (its module-scoped
-    fixtures, a private cluster say, set up once)."""
+    each cluster starts once; under `--dist loadgroup` they run first, as one unit of work for one xdist
+    worker (the longest, "session-clusters"), while every other module is a unit of its own (its
+    module-scoped fixtures, a private cluster say, set up once)."""
     from tests.clusters import FIXTURES
     kinds = list(FIXTURES)
 
@@ -161,9 +161,13 @@ def pytest_collection_modifyitems(session, config, items):
         used = [kinds.index(f) for f in item.fixturenames if f in FIXTURES]
         return min(used) if used else len(kinds)
     items.sort(key=group)
-    for item in items:
-        unit = "session-clusters" if group(item) < len(kinds) else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(unit))
+    if getattr(config.option, "loadgroup", False):  # (set on xdist's workers, where --dist reads "no")
+        # xdist's scheduler reads a unit from the node id (NODEID@UNIT). Its own renaming of items marked
+        # xdist_group (setting item._nodeid) no longer takes since pytest 9 builds node ids from Node._id.
+        from _pytest.nodeid import coerce_node_id
+        for item in items:
+            unit = "session-clusters" if group(item) < len(kinds) else item.nodeid.split("::")[0]
+            item._id = coerce_node_id(f"{item.nodeid}@{unit}")
 
 
 @pytest.fixture(scope="module")
@@ -184,7 +188,8 @@ _durations: dict[str, float] = {}
 
 
 def pytest_runtest_logreport(report):
-    _durations[report.nodeid] = _durations.get(report.nodeid, 0.0) + report.duration
+    nodeid = report.nodeid.split("@")[0]  # (less the xdist unit)
+    _durations[nodeid] = _durations.get(nodeid, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session, exitstatus):

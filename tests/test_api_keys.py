@@ -90,9 +90,8 @@ def test_a_router_that_requires_a_key_refuses_to_start_without_one(tmp_path, mon
     from tests.cluster_fixture import write_config
 
     def config(**router):
-        write_config(tmp_path / "cluster.yaml")
+        write_config(tmp_path / "cluster.yaml", overrides={"router": router})
         data = yaml.safe_load((tmp_path / "cluster.yaml").read_text())
-        data["router"].update(router)
         return argparse.Namespace(cluster=config_from_dict(data, tmp_path), route=[])
     monkeypatch.delenv("EMBER_API_KEY", raising=False)
     with pytest.raises(SystemExit, match="require_api_key is set but no API key is configured"):

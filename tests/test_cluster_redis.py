@@ -20,6 +20,8 @@ from tests.redis_fixture import RedisServer
 
 @pytest.fixture(scope="module")
 def redis_cluster(tmp_path_factory, model_path):
+    """Private: its block directory is a redis-server this module crashes, and its decode reads frames over
+    gRPC (no shared memory)."""
     run_dir = tmp_path_factory.mktemp("redis-cluster")
     redis = RedisServer(free_port(), run_dir).start()
     addr = write_config(run_dir / "cluster.yaml", directory=redis.url, shared_memory=False)

@@ -112,6 +112,7 @@ def accepts(address: str) -> bool:
 
 @pytest.fixture(scope="module")
 def sites(tmp_path_factory):
+    """Private: two kvstores alone, a 2 s lease TTL and a 10 Mbit/s link between them."""
     s = Sites(tmp_path_factory.mktemp("lease-renewal"))
     try:
         yield s

@@ -3,7 +3,6 @@ site's at TP=1, exchanging whole-model KV blocks through the kvstores (engine.pr
 from __future__ import annotations
 
 import pytest
-import yaml
 
 from ember.client import RouterClient
 from ember.engine.sampling_params import SamplingParams
@@ -33,10 +32,7 @@ def test_a_parallel_prefill_and_a_tp1_decode_give_the_reference_tokens(tmp_path,
     than starting one, and its prompt must be one no other module has cached)."""
     from ember.cluster.launcher import running
     config = tmp_path / "cluster.yaml"
-    addr = write_config(config)
-    tree = yaml.safe_load(config.read_text())
-    tree["engine"]["prefill"] = prefill
-    config.write_text(yaml.safe_dump(tree, sort_keys=False))
+    addr = write_config(config, overrides={"engine": {"prefill": prefill}})
     ids = engine.tokenizer.encode(PROMPTS[-1])  # ~1,000 tokens: dozens of blocks cross to the decode site
     reference = engine.generate([ids], SamplingParams(max_tokens=16))[0].token_ids
     with running(config, tmp_path, timeout_s=300):

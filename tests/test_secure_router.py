@@ -36,11 +36,9 @@ def cluster(tmp_path_factory, model_path):
     the tenant tests read; a second router in front of a session cluster would have an empty one."""
     run_dir = tmp_path_factory.mktemp("secure-router")
     path = run_dir / "cluster.yaml"
-    addr = write_config(path)
-    config = yaml.safe_load(path.read_text())
     (run_dir / "keys.yaml").write_text(yaml.safe_dump(KEYS))
-    config["router"].update(api_keys_file="keys.yaml", require_api_key=True, shared_prefixes=[SYSTEM])
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    addr = write_config(path, overrides={"router": {"api_keys_file": "keys.yaml", "require_api_key": True,
+                                                    "shared_prefixes": [SYSTEM]}})
     with contextlib.ExitStack() as stack:
         with pytest.MonkeyPatch.context() as env:  # the services read it at start-up; this process after
             env.setenv("EMBER_API_KEY", ENV_KEY)

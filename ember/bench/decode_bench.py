@@ -114,7 +114,7 @@ def main(args) -> int:
     tokenizer = Tokenizer.from_folder(model_folder(args.model))
     sentence = "The keeper wrote down every ship that passed the lighthouse, its flag and its cargo. "
     ids = tokenizer.encode(sentence * 200)
-    for context in CONTEXTS:
+    for context in CONTEXTS[:1] if args.quick else CONTEXTS:  # (--quick: a smoke run)
         progress(f"decode step breakdown at {context} tokens of context")
         prompt = tokenizer.decode(ids[:context])
         for eager in (True, False):  # the two alternate nowhere: each is a run of its own steps

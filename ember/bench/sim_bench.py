@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import time
+from importlib.resources import files
+from pathlib import Path
 
 from ember.bench.measure import progress, write_result
 from ember.config.load import load_config
@@ -19,7 +21,7 @@ from ember.placement import trace as traces
 from ember.placement.examples import region_weights, topology
 from ember.placement.simulate import Simulator
 
-EXAMPLE = "configs/edge-example.yaml"
+EXAMPLE = Path(str(files("ember.configs") / "edge-example.yaml"))  # the shipped one, from any directory
 RATES = (0.5, 1.0, 2.0, 3.0, 4.0)  # sessions/s
 
 

@@ -40,9 +40,19 @@ def free_port() -> int:
     raise RuntimeError(f"no free loopback port in {ports.start}-{ports.stop - 1} (EMBER_PORT_RANGE)")
 
 
+def merge(base: dict, overrides: dict) -> dict:
+    """`base` with `overrides` laid over it, section by section (nested dicts merge; any other value
+    replaces)."""
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def write_local_config(path: Path, model: str, kvstore_capacity_mb: int = 256, directory: str | None = None,
-                       shared_memory: bool = True, **engine) -> dict[str, str]:
-    """A two-site cluster config on free ports; returns the addresses by role."""
+                       shared_memory: bool = True, overrides: dict | None = None, **engine) -> dict[str, str]:
+    """A two-site cluster config on free ports (`overrides`: settings laid over it, ember.cluster.ports.merge);
+    returns the addresses by role."""
     addr = {name: f"127.0.0.1:{free_port()}"
             for name in ("router", "router_http", "router_internal", "prefill", "decode", "kv_central", "kv_edge",
                          "kv_central_data", "kv_edge_data")}
@@ -61,7 +71,7 @@ def write_local_config(path: Path, model: str, kvstore_capacity_mb: int = 256, d
     }
     if directory:
         config["directory"] = {"url": directory}
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    path.write_text(yaml.safe_dump(merge(config, overrides or {}), sort_keys=False))
     return addr
 
 
