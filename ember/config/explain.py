@@ -67,9 +67,10 @@ def _derived(config: ClusterConfig) -> list[tuple[str, str, str]]:
     except (FileNotFoundError, ValueError) as e:
         return [("derived.*", "-", f"not derived: {e}")]
     layout = facts.kv_layout
-    per_token = (f"{layout.num_layers} layers x {layout.num_kv_heads} KV heads x {layout.head_dim} x K,V x "
-                 f"{layout.bytes_per_token // (2 * layout.num_layers * layout.num_kv_heads * layout.head_dim)} B "
-                 f"({facts.dtype})")
+    planes = "K,V" if layout.planes == 2 else "latent"
+    values = layout.planes * layout.num_layers * layout.num_kv_heads * layout.head_dim
+    per_token = (f"{layout.num_layers} layers x {layout.num_kv_heads} KV heads x {layout.head_dim} x {planes} x "
+                 f"{layout.bytes_per_token // values} B ({facts.dtype})")
     rows = [("derived.dtype", facts.dtype, "engine.dtype, resolved against the model file"),
             ("derived.weights", facts.weights, "engine.weights, resolved against the model file"),
             ("derived.kv_bytes_per_token", str(layout.bytes_per_token), per_token),

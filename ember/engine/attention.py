@@ -161,6 +161,11 @@ class PagedAttention:
         self.scale = scale
         self.block_size = cache.layout.block_size
         # None: the served bf16 path is batch-invariant, the fp32 reference path keeps SDPA
+        # a latent cache (MLA: one plane, values its keys' first columns) takes the torch recipes
+        self.latent = cache.layout.planes == 1
+        self.value_dim = cache.layout.head_dim  # (a latent layer's calls set theirs: fewer columns)
+        if self.latent:
+            batch_invariant, kernel, triton = False, False, False
         if triton or self.device.type != "cpu":  # (the batch-invariant recipes are facts of torch's CPU kernels)
             batch_invariant = False
         self.batch_invariant = cache.dtype != torch.float32 if batch_invariant is None else batch_invariant
@@ -200,16 +205,22 @@ class PagedAttention:
         return F.pad(tables, (0, -tables.shape[1] % per))
 
     def _gather(self, layer_idx: int, tables: torch.Tensor) -> torch.Tensor:
-        """K and V of the blocks in `tables` [B, W]: [2, B, W * block_size, Hkv, D]."""
-        kv = self.cache.kv[layer_idx]  # [2, num_blocks, block_size, Hkv, D]
+        """K and V of the blocks in `tables` [B, W]: [2, B, W * block_size, Hkv, D] (a latent cache: [1, ...])."""
+        kv = self.cache.kv[layer_idx]  # [planes, num_blocks, block_size, Hkv, D]
         # K and V of every context block in one index_select (5x faster than two fancy-index gathers)
-        return kv.index_select(1, tables.flatten()).view(2, tables.shape[0], -1, kv.shape[3], kv.shape[4])
+        return kv.index_select(1, tables.flatten()).view(kv.shape[0], tables.shape[0], -1, kv.shape[3], kv.shape[4])
+
+    def _keys_values(self, kv: torch.Tensor, value_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A gather's keys and values (a latent plane's values: its first `value_dim` columns)."""
+        return (kv[0], kv[0][..., :value_dim]) if self.latent else (kv[0], kv[1])
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = self.cache.layer(layer_idx)
         num_kv_heads, head_dim = k.shape[1], k.shape[2]
+        self.value_dim = v.shape[-1]
         k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, k)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, v)
+        if not self.latent:  # (a latent plane's values are its keys' first columns: v is a view of k)
+            v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, self.slot_mapping, v)
         if self.tiles is not None:  # every row of the step, in one kernel call
             return cpu_attention.paged_attention(q.contiguous(), k_cache, v_cache, self.tiles, self.scale)
         decode = self._decode_triton if self.triton_decode else self._decode_exact if self.batch_invariant \
@@ -217,7 +228,7 @@ class PagedAttention:
         if not self.prefills:  # decode-only step: rows are already in order
             return decode(q, layer_idx)
         prefill = self._prefill_exact if self.batch_invariant else self._prefill
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:2], v.shape[-1])
         for chunk in self.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
             out[rows] = prefill(q[rows], k[rows], v[rows], chunk, layer_idx)
@@ -232,7 +243,8 @@ class PagedAttention:
             keys, values, mask, causal = k, v, None, True
         else:
             total = chunk.context_start + chunk.num_tokens
-            keys, values = (x[0, :total] for x in self._gather(layer_idx, chunk.block_table[None]))
+            keys, values = (x[0, :total] for x in self._keys_values(self._gather(layer_idx, chunk.block_table[None]),
+                                                                     v.shape[-1]))
             query_pos = chunk.context_start + torch.arange(chunk.num_tokens, device=self.device)
             mask, causal = torch.arange(total, device=self.device)[None, :] <= query_pos[:, None], False  # [n, total]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
@@ -310,7 +322,8 @@ class PagedAttention:
         # Group the query heads by their KV head: [B, Hkv, T * G, D], so one matmul per KV head
         # serves all its query heads (no K/V repeat).
         num_heads = q.shape[1]
-        keys, values = self._gather(layer_idx, self.decode_tables).transpose(2, 3)  # [B, Hkv, S, D] each
+        keys, values = self._keys_values(self._gather(layer_idx, self.decode_tables).transpose(2, 3),
+                                         self.value_dim)  # [B, Hkv, S, D] each
         num_kv_heads = keys.shape[1]
         qg = self._grouped(q, num_kv_heads).to(q.dtype)
         mask = self._rows_mask(self.decode_mask, num_heads // num_kv_heads, qg.shape[2])

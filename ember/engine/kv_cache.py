@@ -1,9 +1,9 @@
 """The one preallocated paged KV tensor, and block export/import as bytes.
 
-Shape: [num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim].
-A block's wire payload is `kv[:, :, block_id]` in C order: layer-major, then K before V,
-then token, head, dim; little-endian elements of the cache dtype. Its size is
-`KVLayout.block_bytes`.
+Shape: [num_layers, planes, num_blocks, block_size, num_kv_heads, head_dim], planes 2 (K, V) or
+1 (MLA's latent: its keys, values their first columns). A block's wire payload is
+`kv[:, :, block_id]` in C order: layer-major, then K before V, then token, head, dim; little-endian
+elements of the cache dtype. Its size is `KVLayout.block_bytes`.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ class PagedKVCache:
         self.layout = layout
         self.num_blocks = num_blocks
         self.dtype = _TORCH_DTYPES[layout.dtype]
-        shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        shape = (layout.num_layers, layout.planes, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
         # Zeroed pages straight from the OS (calloc): no up-front memset of the whole pool,
         # pages are touched as blocks are first written. Zeros matter: attention reads the
         # unwritten tail of a block (masked), and 0 * garbage could be NaN.
@@ -31,15 +31,16 @@ class PagedKVCache:
             self.kv = torch.from_numpy(np.zeros(shape, dtype=_NUMPY_TWIN[self.dtype])).view(self.dtype)
         else:
             self.kv = torch.zeros(shape, dtype=self.dtype, device=device)
-        self.block_shape = (layout.num_layers, 2, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self.block_shape = (layout.num_layers, layout.planes, layout.block_size, layout.num_kv_heads, layout.head_dim)
 
     @property
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V caches of one layer, each [num_blocks, block_size, num_kv_heads, head_dim]."""
-        return self.kv[layer_idx, 0], self.kv[layer_idx, 1]
+        """K and V caches of one layer, each [num_blocks, block_size, num_kv_heads, head_dim] (a latent
+        cache: the latent plane, twice)."""
+        return self.kv[layer_idx, 0], self.kv[layer_idx, -1]
 
     @property
     def device(self) -> torch.device:

@@ -34,7 +34,7 @@ class ModelRunner:
         self.device = cache.kv.device
         self.attention_backend = attention_backend
         self.block_size = cache.layout.block_size
-        self.scale = model.args.head_dim ** -0.5
+        self.scale = model.args.attention_scale
         self.captured = None
         if capture_sizes and self.device.type == "cpu" and cpu_step.unsupported(model, cache) is None:
             self.captured = cpu_step.CapturedStep(model, cache, capture_sizes)

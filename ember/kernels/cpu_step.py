@@ -52,6 +52,8 @@ def unsupported(model, cache) -> str | None:
     from ember.kernels.cpu_int4 import Int4Linear
     if library() is None:
         return "the C++ kernels did not build"
+    if model.args.family != "llama":
+        return f"the captured step is the dense Llama layer's ({model.args.family} is not)"
     if cache.dtype != torch.bfloat16 or model.norm.weight.dtype != torch.bfloat16:
         return "not the bf16 path"
     if model.args.intermediate_size % 16:

@@ -36,17 +36,23 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     tp_size: int = 1
+    # 2: a K and a V plane per layer; 1: one latent plane (MLA: num_kv_heads 1, head_dim the latent's
+    # width, values the first columns of the keys)
+    planes: int = 2
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _DTYPE_BYTES[self.dtype]
+        return self.planes * self.num_layers * self.num_kv_heads * self.head_dim * _DTYPE_BYTES[self.dtype]
 
     @property
     def block_bytes(self) -> int:
         return self.bytes_per_token * self.block_size
 
     def canonical(self) -> bytes:
-        return "|".join(f"{k}={v}" for k, v in sorted(asdict(self).items())).encode()
+        fields = asdict(self)
+        if fields["planes"] == 2:  # (K, V layouts hash as they did before latent layouts existed)
+            del fields["planes"]
+        return "|".join(f"{k}={v}" for k, v in sorted(fields.items())).encode()
 
 
 def root_hash(layout: KVLayout) -> bytes:

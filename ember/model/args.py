@@ -1,10 +1,65 @@
-"""A Llama checkpoint's shape, read from its HF config.json (torch-free: the router and the
-config's derived values read it without loading the model)."""
+"""A checkpoint's shape, read from its HF config.json (torch-free: the router and the config's
+derived values read it without loading the model).
+
+One `ModelArgs` describes every family Ember serves: the dense Llama decoder and its variants
+(ember.model.families names them by `architectures`), with optional parts: QK-norm (Qwen3),
+Multi-head Latent Attention (`mla`, DeepSeek-V3 / Kimi K2.5), mixture-of-experts MLPs (`moe`)
+and yarn rope scaling (`rope_scaling`)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+
+@dataclass(frozen=True)
+class MLAArgs:
+    """Multi-head Latent Attention (DeepSeek-V2/V3): keys and values come from a per-token latent
+    of `kv_lora_rank` values plus one shared rope key of `qk_rope_head_dim`; the KV cache holds
+    only those (kv_lora_rank + qk_rope_head_dim values per token and layer)."""
+    q_lora_rank: int | None  # None: q is one projection (q_proj); else q_a_proj -> norm -> q_b_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True  # rope over interleaved pairs (x0, x1), (x2, x3), ...
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """What the KV cache holds per token and layer."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each routed expert
+    layers: tuple[bool, ...]  # per decoder layer: True where its MLP is the MoE block
+    router: str = "softmax"  # "softmax" (Qwen3-MoE: softmax, top-k) or "sigmoid" (DeepSeek-V3: sigmoid + bias, groups)
+    norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to 1
+    num_groups: int = 1  # sigmoid router: experts in groups, only `topk_groups` groups are candidates
+    topk_groups: int = 1
+    scaling_factor: float = 1.0  # routed_scaling_factor: the routed experts' sum is scaled by it
+    shared_intermediate_size: int = 0  # a dense shared expert beside the routed ones (0: none)
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Yarn (the one scaled rope the families here use): frequencies interpolated between the
+    original and `factor`-times-longer wavelengths, cos/sin scaled by attention_factor."""
+    factor: float
+    original_max_position: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
 
 @dataclass(frozen=True)
@@ -22,33 +77,49 @@ class ModelArgs:
     tie_word_embeddings: bool = True
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    family: str = "llama"  # ember.model.families.FAMILIES
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rope (Qwen3)
+    mla: MLAArgs | None = None
+    moe: MoEArgs | None = None
+    rope_scaling: RopeScaling | None = field(default=None)
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelArgs:
-        if cfg.get("rope_scaling"):
-            raise ValueError("rope_scaling is not supported yet; remove it from config.json or use another model")
-        rope = cfg.get("rope_parameters") or {}  # transformers >= 5 writes rope_theta here
-        if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"rope_type {rope['rope_type']!r} is not supported yet (only 'default')")
-        num_heads = cfg["num_attention_heads"]
-        eos = cfg.get("eos_token_id")
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=num_heads,
-            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
-            rope_theta=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            max_position=cfg.get("max_position_embeddings", 2048),
-            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_id=eos[0] if isinstance(eos, list) else eos,
-        )
+        from ember.model.families import args_from_config
+        return args_from_config(cfg)
+
+    # what the paged KV cache holds per token and layer: `kv_planes` planes (K and V; or MLA's one
+    # latent plane) of kv_cache_heads x kv_cache_dim values
+    @property
+    def kv_planes(self) -> int:
+        return 1 if self.mla is not None else 2
+
+    @property
+    def kv_cache_heads(self) -> int:
+        return 1 if self.mla is not None else self.num_kv_heads
+
+    @property
+    def kv_cache_dim(self) -> int:
+        return self.mla.latent_dim if self.mla is not None else self.head_dim
+
+    @property
+    def attention_scale(self) -> float:
+        """The softmax scale of attention scores."""
+        if self.mla is None:
+            return self.head_dim ** -0.5
+        scale = self.mla.qk_head_dim ** -0.5
+        r = self.rope_scaling
+        if r is not None and r.mscale_all_dim:  # DeepSeek's yarn: scores scaled by mscale(all_dim)^2
+            scale *= yarn_mscale(r.factor, r.mscale_all_dim) ** 2
+        return scale
+
+    @property
+    def rope_dim(self) -> int:
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     def to_hf_config(self) -> dict:
+        if self.family != "llama":
+            raise ValueError(f"to_hf_config writes Llama configs only (this is {self.family})")
         return {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -68,6 +139,11 @@ class ModelArgs:
             "hidden_act": "silu",
             "torch_dtype": "float32",
         }
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    import math
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
 PRESETS: dict[str, ModelArgs] = {

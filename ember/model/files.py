@@ -147,4 +147,5 @@ def check_weights(path: str | Path, dtype: str, weights: str) -> None:
 def layout_of(args, fingerprint: str, dtype: str, block_size: int):
     """The KV layout an engine serving a model of shape `args` (ember.model.args.ModelArgs) writes."""
     from ember.kv.block_hash import KVLayout
-    return KVLayout(fingerprint, dtype, block_size, args.num_layers, args.num_kv_heads, args.head_dim)
+    return KVLayout(fingerprint, dtype, block_size, args.num_layers, args.kv_cache_heads, args.kv_cache_dim,
+                    planes=args.kv_planes)

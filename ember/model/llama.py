@@ -1,4 +1,6 @@
-"""Llama-family decoder (RMSNorm, RoPE, GQA, SwiGLU) in one file.
+"""The decoder every family shares (RMSNorm, rope, SwiGLU), with the parts a family's config picks:
+grouped-query attention (with Qwen3's QK-norm) or latent attention (ember.model.mla), and per layer
+a dense MLP or a mixture of experts (ember.model.moe). ember.model.families reads which.
 
 The model never touches the KV cache itself: attention over cached context is done by
 an `Attend` callable handed in per forward, so paging, kernels and batching live
@@ -13,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.model.args import PRESETS, ModelArgs  # noqa: F401  (re-exported)
+from ember.model.rope import apply_rope, rope_cos_sin  # noqa: F401  (re-exported)
 
 
 class Attend(Protocol):
@@ -44,47 +47,66 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_cos_sin(head_dim: int, theta: float, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin tables [max_position, head_dim] in fp32 (rotate-half layout)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+class Checkpoint:
+    """A checkpoint's tensors by name, taken once each: `take(name)` pops it (sources are dropped as
+    they are fused: one copy at a time); `take.has(name)`."""
 
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise KeyError(f"checkpoint is missing tensor {name!r}")
+        return self.tensors.pop(name)
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
 
 
 class Attention(nn.Module):
+    """Grouped-query attention, q/k/v fused in one projection; qk_norm: RMSNorm over each head of
+    q and k before rope (Qwen3)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         self.qkv_proj = nn.Linear(args.hidden_size, q_size + 2 * kv_size, bias=False)
         self.o_proj = nn.Linear(q_size, args.hidden_size, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.reduce = None  # tensor parallel: the all-reduce of o_proj's partial sums (set_tensor_parallel)
 
     def forward(self, x, cos, sin, attend: Attend, layer_idx: int) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)
+        heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, :heads]
+        if self.q_norm is not None:
+            qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
         # rotate q and k heads in one go: [T, num_heads + num_kv_heads, D]
-        qk = apply_rope(qkv[:, :self.num_heads + self.num_kv_heads], cos, sin).to(x.dtype)
+        qk = apply_rope(qk, cos, sin).to(x.dtype)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
-        v = qkv[:, self.num_heads + self.num_kv_heads:]
+        v = qkv[:, heads:]
         out = self.o_proj(attend(layer_idx, q, k, v).reshape(num_tokens, -1))
         return out if self.reduce is None else self.reduce(out)
 
+    def hf_weights(self, take: Checkpoint, prefix: str, linears: bool = True) -> dict[str, torch.Tensor]:
+        own = {}
+        if self.q_norm is not None:
+            own["q_norm.weight"], own["k_norm.weight"] = take(prefix + "q_norm.weight"), take(prefix + "k_norm.weight")
+        if linears:
+            own["qkv_proj.weight"] = torch.cat([take(prefix + f"{n}_proj.weight") for n in ("q", "k", "v")])
+            own["o_proj.weight"] = take(prefix + "o_proj.weight")
+        return own
+
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.intermediate_size = args.intermediate_size
-        self.gate_up_proj = nn.Linear(args.hidden_size, 2 * args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.reduce = None  # tensor parallel: the all-reduce of down_proj's partial sums
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -92,14 +114,28 @@ class MLP(nn.Module):
         out = self.down_proj(F.silu(gate) * up)
         return out if self.reduce is None else self.reduce(out)
 
+    def hf_weights(self, take: Checkpoint, prefix: str, linears: bool = True) -> dict[str, torch.Tensor]:
+        if not linears:
+            return {}
+        return {"gate_up_proj.weight": torch.cat([take(prefix + "gate_proj.weight"), take(prefix + "up_proj.weight")]),
+                "down_proj.weight": take(prefix + "down_proj.weight")}
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_idx: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.self_attn = Attention(args)
+        if args.mla is not None:
+            from ember.model.mla import LatentAttention
+            self.self_attn = LatentAttention(args)
+        else:
+            self.self_attn = Attention(args)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        if args.moe is not None and args.moe.layers[layer_idx]:
+            from ember.model.moe import MoE
+            self.mlp = MoE(args)
+        else:
+            self.mlp = MLP(args.hidden_size, args.intermediate_size)
 
     def forward(self, x, cos, sin, attend: Attend, layer_idx: int) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, layer_idx)
@@ -111,10 +147,10 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.args = args
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args) for _ in range(args.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = None if args.tie_word_embeddings else nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        cos, sin = rope_cos_sin(args.head_dim, args.rope_theta, args.max_position)
+        cos, sin = rope_cos_sin(args.rope_dim, args.rope_theta, args.max_position, args.rope_scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         # A kernel module may take over whole layers for steps of at most `small_step_rows`
@@ -166,30 +202,23 @@ class LlamaModel(nn.Module):
         return self.lm_head(hidden).float()
 
     def load_hf_state_dict(self, tensors: dict[str, torch.Tensor], linears: bool = True) -> None:
-        """Load weights named as in Hugging Face Llama checkpoints, fusing qkv and gate/up.
+        """Load weights named as in Hugging Face checkpoints of the family (each module maps its own
+        names: fused qkv and gate/up, latent attention's split kv_b_proj, stacked experts).
         linears=False: the layers' linears are in place already (int4 modules) and not in `tensors`.
 
         Consumes `tensors` (entries are popped as they are used)."""
-        def take(name: str) -> torch.Tensor:
-            if name not in tensors:
-                raise KeyError(f"checkpoint is missing tensor {name!r}")
-            return tensors.pop(name)  # drop sources as they are fused: one copy at a time
-
+        take = Checkpoint(tensors)
         own = {}
         own["embed_tokens.weight"] = take("model.embed_tokens.weight")
         own["norm.weight"] = take("model.norm.weight")
         if self.lm_head is not None:
             own["lm_head.weight"] = take("lm_head.weight")
-        for i in range(self.args.num_layers):
+        for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             own[f"layers.{i}.input_layernorm.weight"] = take(p + "input_layernorm.weight")
             own[f"layers.{i}.post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
-            if not linears:
-                continue
-            own[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
-                [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")])
-            own[f"layers.{i}.self_attn.o_proj.weight"] = take(p + "self_attn.o_proj.weight")
-            own[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat(
-                [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            own[f"layers.{i}.mlp.down_proj.weight"] = take(p + "mlp.down_proj.weight")
+            for part in ("self_attn", "mlp"):
+                module = getattr(layer, part)
+                kw = {"linears": linears} if isinstance(module, (Attention, MLP)) else {}
+                own |= {f"layers.{i}.{part}.{k}": v for k, v in module.hf_weights(take, f"{p}{part}.", **kw).items()}
         self.load_state_dict(own, strict=True, assign=True)

@@ -44,6 +44,9 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense",
     check_weights(path, dtype, weights)
     folder = ensure_gguf_cache(path) if path.suffix == ".gguf" else path
     args = ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
+    if args.family != "llama" and (weights != "dense" or shard is not None or layers is not None):
+        raise ValueError(f"a {args.family} model is served with weights: dense on one rank for now "
+                         f"(int4 and tensor/pipeline parallelism serve the Llama family)")
     torch_dtype = DTYPES[dtype]
     packs = _cached_packs(path) if weights == "q4" and shard is None and layers is None else None
     tensors = {}

@@ -1,0 +1,128 @@
+"""Mixture-of-experts MLP: a router picks `top_k` experts per token, each expert is a SwiGLU MLP.
+
+Execution groups the step's (token, slot) pairs by expert, so each chosen expert's weights are
+read once per step (decode reads the active experts' bytes, not all of them), and combines each
+token's slots in its own fixed order (slot 0, 1, ...): a token's output does not depend on which
+other tokens share its step, so a request gives the same tokens alone and batched, before and
+after a migration. An expert's rows are padded to at least MIN_ROWS (torch's CPU matmul takes
+another kernel for fewer rows; ember.engine.attention measured the same fact)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ember.model.args import ModelArgs
+
+MIN_ROWS = 8
+
+
+def route_softmax(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3-MoE: softmax over all experts, the top_k largest (renormalised when `norm`)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if norm:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, experts
+
+
+def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: int, num_groups: int, topk_groups: int,
+                  norm: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 (noaux_tc): sigmoid scores; the correction bias only steers the choice; experts in
+    groups, a group's merit is the sum of its two best biased scores, and only the `topk_groups` best
+    groups are candidates; the chosen experts' unbiased scores (renormalised when `norm`) times
+    `scaling` weigh them."""
+    scores = logits.sigmoid()
+    choice = scores + bias
+    tokens, num_experts = choice.shape
+    if num_groups > 1:
+        group_merit = choice.view(tokens, num_groups, -1).topk(2, dim=-1).values.sum(dim=-1)
+        groups = torch.topk(group_merit, topk_groups, dim=-1, sorted=False).indices
+        keep = torch.zeros_like(group_merit, dtype=torch.bool).scatter_(1, groups, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(num_experts // num_groups, dim=1), float("-inf"))
+    experts = torch.topk(choice, top_k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, experts)
+    if norm:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, experts
+
+
+class MoE(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        m = args.moe
+        self.spec = m
+        self.num_experts, self.top_k, self.intermediate_size = m.num_experts, m.top_k, m.intermediate_size
+        # the sigmoid router scores in fp32 whatever the serving dtype (as its checkpoints are kept)
+        # (a plain parameter, not a Linear: the CPU kernels pack Linears, and the router's weight is read as is)
+        self.router = nn.Parameter(torch.empty(m.num_experts, args.hidden_size))
+        if m.router == "sigmoid":
+            self.register_buffer("correction_bias", torch.zeros(m.num_experts))
+        # every expert's gate and up rows stacked, [E, 2I, H]; down [E, H, I]
+        self.gate_up = nn.Parameter(torch.empty(m.num_experts, 2 * m.intermediate_size, args.hidden_size))
+        self.down = nn.Parameter(torch.empty(m.num_experts, args.hidden_size, m.intermediate_size))
+        self.shared = None
+        if m.shared_intermediate_size:
+            from ember.model.llama import MLP
+            self.shared = MLP(args.hidden_size, m.shared_intermediate_size)
+        # tokens routed to each expert since start (ember:moe_expert_tokens_total)
+        self.register_buffer("expert_tokens", torch.zeros(m.num_experts, dtype=torch.int64), persistent=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's (weights [T, k] fp32, experts [T, k])."""
+        m = self.spec
+        if m.router == "sigmoid":
+            logits = F.linear(x.float(), self.router.float())
+            return route_sigmoid(logits, self.correction_bias.float(), m.top_k, m.num_groups, m.topk_groups,
+                                 m.norm_topk_prob, m.scaling_factor)
+        weights, experts = route_softmax(F.linear(x, self.router), m.top_k, m.norm_topk_prob)
+        return weights.to(x.dtype).float(), experts
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens, hidden = x.shape
+        weights, experts = self.route(x)
+        flat = experts.flatten()  # [T * k]: token t's slot j at t * k + j
+        order = torch.argsort(flat, stable=True)  # grouped by expert, tokens in order within each
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        self.expert_tokens += counts
+        rows = x[order // self.top_k]
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, n in enumerate(counts.tolist()):
+            if not n:
+                continue
+            part = rows[start:start + n]
+            if n < MIN_ROWS:
+                part = F.pad(part, (0, 0, 0, MIN_ROWS - n))
+            gate, up = F.linear(part, self.gate_up[expert]).chunk(2, dim=-1)
+            out[start:start + n] = F.linear(F.silu(gate) * up, self.down[expert])[:n]
+            start += n
+        slots = torch.empty_like(out)
+        slots[order] = out  # back to (token, slot) order
+        slots = slots.view(tokens, self.top_k, hidden) * weights.to(x.dtype)[..., None]
+        y = slots[:, 0]
+        for j in range(1, self.top_k):  # each token's slots summed in one fixed order
+            y = y + slots[:, j]
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y
+
+    def hf_weights(self, take, prefix: str) -> dict[str, torch.Tensor]:
+        """This block's tensors from a checkpoint's names (`take(name)` pops one): the router
+        (`gate.weight`, DeepSeek's `gate.e_score_correction_bias`), experts stacked
+        (`experts.gate_up_proj` / `experts.down_proj`, as transformers >= 5 saves them) or one by
+        one (`experts.{e}.gate_proj.weight`, ...), and a shared expert."""
+        own = {"router": take(prefix + "gate.weight")}
+        if self.spec.router == "sigmoid":
+            own["correction_bias"] = take(prefix + "gate.e_score_correction_bias")
+        stacked = prefix + "experts.gate_up_proj"
+        if take.has(stacked):
+            own["gate_up"], own["down"] = take(stacked), take(prefix + "experts.down_proj")
+        else:
+            e = range(self.num_experts)
+            own["gate_up"] = torch.stack([torch.cat([take(f"{prefix}experts.{i}.gate_proj.weight"),
+                                                     take(f"{prefix}experts.{i}.up_proj.weight")]) for i in e])
+            own["down"] = torch.stack([take(f"{prefix}experts.{i}.down_proj.weight") for i in e])
+        if self.shared is not None:
+            own |= {f"shared.{k}": v for k, v in self.shared.hf_weights(take, prefix + "shared_experts.").items()}
+        return own

@@ -1,0 +1,152 @@
+"""Every family Ember serves gives transformers' own greedy tokens on the exact (fp32) path: a random
+checkpoint of each (tests/families.py: DeepSeek-V3 / Kimi K2.5's latent attention and routed
+experts, Qwen3's QK-norm, Qwen3-MoE), saved by transformers and loaded by Ember from the folder.
+Alone, batched, chunked and from a cached prefix; the last step's logits to 1e-4."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ember.engine.config import EngineConfig
+from ember.engine.engine import LLMEngine
+from ember.engine.sampling_params import SamplingParams
+from ember.model.args import read_model_args
+from ember.model.families import args_from_config
+from tests.conftest import PROMPTS
+from tests.families import CONFIGS, build
+
+STEPS = 32
+KINDS = sorted(CONFIGS)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, model_path):
+    from ember.model.files import model_folder
+    tokenizer = model_folder(str(model_path))
+    root = tmp_path_factory.mktemp("families")
+    return {kind: build(kind, root / kind, tokenizer) for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints):
+    """kind -> (transformers model, memo of greedy runs)."""
+    from transformers import AutoModelForCausalLM
+    return {kind: (AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval(), {})
+            for kind, folder in checkpoints.items()}
+
+
+def hf_greedy(references, kind, ids: list[int], steps: int = STEPS) -> list[int]:
+    model, memo = references[kind]
+    key = (tuple(ids), steps)
+    if key not in memo:
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False, min_new_tokens=steps,
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+        memo[key] = out[0, len(ids):].tolist()
+    return memo[key]
+
+
+def engine_for(folder, **overrides) -> LLMEngine:
+    config = dict(model=str(folder), dtype="float32", weights="dense", threads=2, kv_cache_mb=64) | overrides
+    return LLMEngine(EngineConfig(**config))
+
+
+def greedy(steps: int = STEPS) -> SamplingParams:
+    return SamplingParams(max_tokens=steps, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def prompts(checkpoints):
+    from ember.model.tokenizer import Tokenizer
+    tokenizer = Tokenizer.from_folder(next(iter(checkpoints.values())))
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_alone_each_prompt_gives_transformers_tokens_and_last_logits(kind, checkpoints, references, prompts):
+    engine = engine_for(checkpoints[kind])
+    logits = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda inputs: logits.append(execute(inputs)) or logits[-1]
+    model, _ = references[kind]
+    for ids in prompts:
+        logits.clear()
+        [out] = engine.generate([ids], greedy())
+        expected = hf_greedy(references, kind, ids)
+        assert out.token_ids == expected, f"{kind}: prompt of {len(ids)} tokens diverged"
+        with torch.inference_mode():
+            theirs = model(torch.tensor([ids + expected[:-1]])).logits[0, -1]
+        ours = logits[-1][-1]
+        assert torch.allclose(ours, theirs, atol=1e-4, rtol=0), \
+            f"{kind}: last-step logits differ by {(ours - theirs).abs().max():.2e}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_and_chunked_give_the_same_tokens(kind, checkpoints, references, prompts):
+    # 64-token steps: every prompt past the first few is prefilled in chunks, beside decodes
+    engine = engine_for(checkpoints[kind], max_num_batched_tokens=64)
+    outs = engine.generate(prompts, greedy())
+    for ids, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(references, kind, ids), f"{kind}: prompt of {len(ids)} tokens diverged"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_from_a_cached_prefix_the_same_tokens(kind, checkpoints, references, prompts):
+    engine = engine_for(checkpoints[kind])
+    long = prompts[-1]
+    engine.generate([long[:640]], greedy(4))  # caches 40 blocks of the long prompt
+    [out] = engine.generate([long], greedy())
+    assert out.cached_tokens >= 624, f"{kind}: only {out.cached_tokens} tokens came from the cache"
+    assert out.token_ids == hf_greedy(references, kind, long)
+
+
+def test_moe_request_alone_and_among_7_others_gives_identical_tokens(checkpoints, prompts):
+    for kind in ("qwen3_moe", "deepseek_v3"):
+        [alone] = engine_for(checkpoints[kind]).generate([prompts[0]], greedy())
+        others = [prompts[i % len(prompts)][:40 + 7 * i] for i in range(1, 8)]
+        among = engine_for(checkpoints[kind]).generate([prompts[0], *others], greedy())[0]  # (a fresh cache)
+        assert among.token_ids == alone.token_ids, kind
+
+
+def test_experts_are_read_by_what_was_routed_to_them(checkpoints, prompts):
+    engine = engine_for(checkpoints["qwen3_moe"])
+    engine.generate([prompts[0]], greedy(8))
+    moe = [layer.mlp for layer in engine.loaded.model.layers if hasattr(layer.mlp, "expert_tokens")]
+    args = engine.loaded.args
+    assert len(moe) == sum(args.moe.layers) == args.num_layers - 1  # mlp_only_layers=[0]
+    tokens = len(prompts[0]) + 8 - 1  # every token but the last sampled one went through each layer
+    for block in moe:
+        assert int(block.expert_tokens.sum()) == tokens * args.moe.top_k
+
+
+def test_the_latent_cache_holds_576_values_a_token_for_kimi_and_48_here(checkpoints):
+    args = read_model_args(checkpoints["deepseek_v3"])
+    engine = engine_for(checkpoints["deepseek_v3"])
+    layout = engine.layout
+    assert (layout.planes, layout.num_kv_heads, layout.head_dim) == (1, 1, 32 + 16)
+    assert layout.bytes_per_token == args.num_layers * 48 * 4  # fp32; an MHA cache: 2 x 4 heads x 32 x 4 B
+    assert engine.cache.kv.shape[:2] == (args.num_layers, 1)
+    kimi = {"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 163840, "hidden_size": 7168,
+            "intermediate_size": 18432, "num_hidden_layers": 61, "num_attention_heads": 64,
+            "num_key_value_heads": 64, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 384, "num_experts_per_tok": 8,
+            "moe_intermediate_size": 2048, "n_group": 1, "topk_group": 1}
+    assert args_from_config(kimi).kv_cache_dim == 576
+
+
+def test_an_unknown_architecture_is_refused_naming_those_served():
+    with pytest.raises(ValueError, match="MambaForCausalLM.*Ember serves LlamaForCausalLM, Qwen3ForCausalLM"):
+        args_from_config({"architectures": ["MambaForCausalLM"], "vocab_size": 10})
+
+
+def test_a_family_model_refuses_what_it_cannot_be_served_with(checkpoints):
+    from ember.model.loader import load_model
+    with pytest.raises(ValueError, match="not a GGUF"):  # q4 serves a GGUF's codes: a folder has none
+        load_model(checkpoints["qwen3"], "bfloat16", "q4")
+    with pytest.raises(ValueError, match="weights: dense on one rank"):  # a pipeline stage of a MoE model
+        load_model(checkpoints["qwen3_moe"], "float32", "dense", layers=(0, 2))
+    cfg = json.loads((checkpoints["qwen3"] / "config.json").read_text()) | {"use_sliding_window": True}
+    with pytest.raises(ValueError, match="use_sliding_window"):
+        args_from_config(cfg)
