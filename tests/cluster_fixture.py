@@ -61,3 +61,12 @@ async def wait_until_async(condition: Callable[[], object], timeout_s: float, wh
             return value
         assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
         await asyncio.sleep(every_s)
+
+
+def decode_span(run_dir, final) -> dict:
+    """The attributes of decode's SERVER span for the request whose last message is `final`."""
+    from ember.cluster.traces import request_spans
+    [span] = wait_until(lambda: [s for s in request_spans(run_dir, final.request_id, "decode")
+                                 if "ember.blocks_imported" in s["attributes"]], 10,
+                        f"decode exporting its span for {final.request_id}")
+    return span["attributes"]

@@ -7,18 +7,9 @@ import yaml
 
 from ember.client import RouterClient
 from ember.cluster.launcher import running
-from ember.cluster.traces import request_spans
 from ember.model.fetch import DEFAULT_MODEL_PATH
-from tests.cluster_fixture import free_port, wait_until
+from tests.cluster_fixture import decode_span, free_port
 from tests.conftest import LONG_TEXT
-
-
-def decode_span(run_dir, final) -> dict:
-    """The attributes of decode's SERVER span for the request whose last message is `final`."""
-    [span] = wait_until(lambda: [s for s in request_spans(run_dir, final.request_id, "decode")
-                                 if "ember.blocks_imported" in s["attributes"]], 10,
-                        f"decode exporting its span for {final.request_id}")
-    return span["attributes"]
 
 
 def edge_config(path) -> dict:

@@ -76,6 +76,28 @@ def test_a_frame_for_another_model_or_layout_is_invalid_argument(field, value):
     assert e.value.status == "INVALID_ARGUMENT"
 
 
+def test_a_latent_frame_carries_one_plane_and_a_two_plane_reader_refuses_it():
+    """MLA's blocks hold one latent plane a layer (the LATENT flag): half a two-plane block of the
+    same width; they round-trip, signed and re-encoded, and never pass for a K/V layout."""
+    latent = replace(LAYOUT, num_kv_heads=1, head_dim=48, planes=1)
+    template = wire.layout_header(latent, ROOT)
+    payload = kv_like(latent.block_bytes, 2, seed=5)
+    assert latent.block_bytes == 2 * 4 * 48 * 2  # layers x tokens x values x bf16, one plane
+    key = b"k" * 32
+    frame = wire.sign_frame(wire.encode_frame(template, BLOCK_HASH, payload), key)
+    assert wire.parse_header(frame).planes == 1 and frame[7] == wire.LATENT
+    assert bytes(wire.decode_frame(frame, template, block_hash=BLOCK_HASH, mac_key=key)) == payload
+    header, body = wire.reencode(frame, codec.PLANES)
+    assert bytes(wire.decode_frame(header.pack() + bytes(body), template, mac_key=key)) == payload
+    two_planes = wire.layout_header(replace(latent, num_kv_heads=1, head_dim=24, planes=2), ROOT)
+    with pytest.raises(wire.LayoutMismatch, match="planes=1, this server needs 2"):
+        wire.decode_frame(frame, two_planes)
+    unknown = bytearray(frame)
+    unknown[7] |= 0x02
+    with pytest.raises(wire.LayoutMismatch, match="flags 0x3"):
+        wire.parse_header(unknown)
+
+
 def test_a_frame_filed_under_another_hash_is_refused():
     with pytest.raises(wire.LayoutMismatch, match="carries hash"):
         wire.decode_frame(FRAME, TEMPLATE, block_hash=b"\x44" * 16)

@@ -150,3 +150,55 @@ def test_a_family_model_refuses_what_it_cannot_be_served_with(checkpoints):
     cfg = json.loads((checkpoints["qwen3"] / "config.json").read_text()) | {"use_sliding_window": True}
     with pytest.raises(ValueError, match="use_sliding_window"):
         args_from_config(cfg)
+
+
+@pytest.mark.timeout(600)
+def test_a_latent_moe_model_through_the_disaggregated_cluster_gives_transformers_tokens(
+        tmp_path, checkpoints, references, prompts):
+    """DeepSeek-V3's structure (latent KV, routed experts) through real processes: prefill at the
+    central site, its one-plane latent blocks through the kvstores to decode at the edge; a second
+    turn's prefill reuses the first turn's blocks. Tokens equal transformers' both turns."""
+    from ember.client import RouterClient
+    from ember.cluster.launcher import running
+    from ember.cluster.ports import write_local_config
+    from ember.kv import wire
+    from ember.model.files import layout_of
+    from tests.cluster_fixture import decode_span
+    config = tmp_path / "cluster.yaml"
+    addr = write_local_config(config, str(checkpoints["deepseek_v3"]), dtype="float32", weights="dense")
+    turn1 = prompts[-1][:300]
+    with running(config, tmp_path, timeout_s=300):
+        with RouterClient(addr["router"]) as client:
+            first = client.complete(token_ids=turn1, max_tokens=12, ignore_eos=True, timeout=240)
+            turn2 = turn1 + first.token_ids + prompts[0]
+            second = client.complete(token_ids=turn2, max_tokens=12, ignore_eos=True, timeout=240)
+        central, edge = (_kvstore_stats(addr | {"config": str(config)}, key) for key in ("kv_central", "kv_edge"))
+    assert first.token_ids == hf_greedy(references, "deepseek_v3", turn1, 12)
+    assert second.token_ids == hf_greedy(references, "deepseek_v3", turn2, 12)
+    final = first.final
+    assert final.placement.prefill_site == "central" and final.placement.decode_site == "edge"
+    # the prefill's latent blocks crossed to the decode site: decode imported every full block
+    span = decode_span(tmp_path, final)
+    assert span["ember.blocks_imported"] == len(turn1) // 16 and span["ember.recomputed_tokens"] <= 16, span
+    assert second.final.usage.cached_tokens == (len(turn1) // 16) * 16
+    # the central store holds both turns' full blocks, each one latent plane: 16 tokens x 48 values
+    # (kv_lora_rank 32 + rope 16) x 4 layers in fp32, 12 KiB, where K and V of 4 heads would be 64 KiB
+    args = read_model_args(checkpoints["deepseek_v3"])
+    layout = layout_of(args, "-", "float32", 16)
+    assert (layout.planes, layout.num_kv_heads, layout.head_dim) == (1, 1, 48)
+    assert central.blocks >= len(turn2) // 16
+    print(f"kvstores: central {central.blocks} blocks, {central.bytes} B; edge {edge.blocks} blocks, "
+          f"{edge.bytes} B; a block is {layout.block_bytes} B")
+    assert central.bytes <= central.blocks * (layout.block_bytes + 4096)  # (4 KiB: a frame's header, generously)
+    assert span["ember.bytes_pulled"] <= span["ember.blocks_pulled"] * wire.frame_bytes(layout.block_bytes)
+    # every block was filed: a frame the stores could not read used to fail its write-back and its
+    # import, silently recomputed (the tokens were still right)
+    logs = "".join(f.read_text() for f in tmp_path.glob("*.log"))
+    assert "write-back to the site kvstore failed" not in logs and "failed (computing" not in logs
+
+
+def _kvstore_stats(cluster: dict, key: str):
+    from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
+    from tests.cluster_fixture import dial
+    with dial(cluster, key) as ch:
+        return kvstore_pb2_grpc.KVStoreStub(ch).Stats(kvstore_pb2.StatsRequest(), timeout=10)

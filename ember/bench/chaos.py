@@ -297,7 +297,10 @@ def main(args) -> int:
                 cluster = Cluster(run_dir)
                 if "decode_kill" in wanted:
                     progress(f"decode_kill: SIGKILL the busiest decode worker under {streams} streams")
-                    result["scenarios"]["decode_kill"] = decode_kill(cluster, short("decode"), new_tokens)
+                    # long enough that the kill lands mid-decode: 12 tokens of 4 streams end in ~0.15 s on a
+                    # quiet host, before a 50 ms poll saw a worker running (the smoke run then killed nothing)
+                    result["scenarios"]["decode_kill"] = decode_kill(cluster, short("decode"),
+                                                                       64 if args.quick else new_tokens)
                 if "prefill_kill" in wanted:
                     progress(f"prefill_kill: SIGKILL a prefill worker under {streams} long prefills")
                     result["scenarios"]["prefill_kill"] = prefill_kill(cluster, long("prefill"), long("prefill base"),

@@ -5,11 +5,16 @@ Every block that leaves an engine travels and rests as a frame. The checksum (XX
 be re-encoded in flight (codec, encoded_len change) and still be verified end to end
 against what the producing engine wrote. Header, little-endian, 104 bytes:
 
-  magic "EKVB" | version u8 (2) | codec u8 | dtype u8 | flags u8 (reserved, 0)
+  magic "EKVB" | version u8 (2) | codec u8 | dtype u8 | flags u8 (bit 0: LATENT, one plane)
   block_size u16 | num_layers u16 | num_kv_heads u16 | head_dim u16
   root_hash 16B (model fingerprint + KV layout) | block_hash 16B
   raw_len u64 | encoded_len u64 | checksum u64
   nonce 16B | mac 16B
+
+A block holds, per layer, a K and a V plane of num_kv_heads x head_dim values a token, or with
+the LATENT flag one plane (MLA's compressed latent and rope key: num_kv_heads 1, head_dim
+kv_lora_rank + qk_rope_head_dim); other flag bits are refused, so a reader that predates a
+flag never misreads a frame that sets it.
 
 The checksum finds damage; it cannot find forgery (XXH3 is public, and so are block and
 root hashes). The MAC does: Poly1305 over the invariant header fields (the MAC zeroed) and
@@ -54,6 +59,7 @@ _ZERO_MAC = bytes(MAC_BYTES)
 DTYPES = {"float32": 1, "bfloat16": 2, "float16": 3}
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 ELEMENT_BYTES = {1: 4, 2: 2, 3: 2}
+LATENT = 0x01  # flags: one plane a layer (KVLayout.planes == 1)
 _HEADER = struct.Struct(f"<4sBBBBHHHH{HASH_BYTES}s{HASH_BYTES}sQQQ{NONCE_BYTES}s{MAC_BYTES}s")
 HEADER_BYTES = _HEADER.size
 _MAX_RAW = 1 << 30
@@ -91,6 +97,7 @@ class FrameHeader:
     checksum: int = 0
     nonce: bytes = bytes(NONCE_BYTES)
     mac: bytes = bytes(MAC_BYTES)  # all zero: unsigned (no key)
+    planes: int = 2  # 2: K and V a layer; 1: one latent plane (the LATENT flag)
 
     @property
     def element_bytes(self) -> int:
@@ -108,13 +115,15 @@ class FrameHeader:
         return self._pack(0, 0, 0, _ZERO_MAC)
 
     def _pack(self, codec_id: int, encoded_len: int, checksum: int, mac: bytes) -> bytes:
-        return _HEADER.pack(MAGIC, VERSION, codec_id, self.dtype, 0, self.block_size, self.num_layers,
+        flags = LATENT if self.planes == 1 else 0
+        return _HEADER.pack(MAGIC, VERSION, codec_id, self.dtype, flags, self.block_size, self.num_layers,
                             self.num_kv_heads, self.head_dim, self.root_hash, self.block_hash, self.raw_len,
                             encoded_len, checksum, self.nonce, mac)
 
     def fits(self, expect: FrameHeader) -> None:
         """LayoutMismatch unless this frame was made for `expect`'s model and KV layout."""
-        for name in ("dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "root_hash", "raw_len"):
+        for name in ("dtype", "block_size", "num_layers", "planes", "num_kv_heads", "head_dim", "root_hash",
+                     "raw_len"):
             got, want = getattr(self, name), getattr(expect, name)
             if got != want:
                 shown = (got.hex(), want.hex()) if isinstance(got, bytes) else (got, want)
@@ -127,7 +136,7 @@ def layout_header(layout: KVLayout, root_hash: bytes) -> FrameHeader:
     return FrameHeader(codec=codec.RAW, dtype=DTYPES[layout.dtype], block_size=layout.block_size,
                        num_layers=layout.num_layers, num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
                        root_hash=root_hash, block_hash=bytes(HASH_BYTES), raw_len=layout.block_bytes,
-                       encoded_len=layout.block_bytes)
+                       encoded_len=layout.block_bytes, planes=layout.planes)
 
 
 def frame_bytes(raw_len: int) -> int:
@@ -168,7 +177,7 @@ def parse_header(buf) -> FrameHeader:
         raise CorruptFrame(f"frame of {len(buf)} bytes is shorter than its {HEADER_BYTES}-byte header")
     (magic, version, codec_id, dtype, _flags, block_size, num_layers, num_kv_heads, head_dim, root, block_hash,
      raw_len, encoded_len, checksum, nonce, mac) = _HEADER.unpack_from(buf)
-    if _flags:
+    if _flags & ~LATENT:
         raise LayoutMismatch(f"KV block frame sets flags {_flags:#x} this build does not know")
     if magic != MAGIC:
         raise LayoutMismatch(f"not a KV block frame (magic {bytes(magic)!r})")
@@ -179,8 +188,8 @@ def parse_header(buf) -> FrameHeader:
     if dtype not in DTYPE_NAMES:
         raise LayoutMismatch(f"KV block frame has unknown dtype code {dtype}")
     header = FrameHeader(codec_id, dtype, block_size, num_layers, num_kv_heads, head_dim, root, block_hash,
-                         raw_len, encoded_len, checksum, nonce, mac)
-    expected_raw = 2 * num_layers * num_kv_heads * head_dim * block_size * ELEMENT_BYTES[dtype]
+                         raw_len, encoded_len, checksum, nonce, mac, 1 if _flags & LATENT else 2)
+    expected_raw = header.planes * num_layers * num_kv_heads * head_dim * block_size * ELEMENT_BYTES[dtype]
     if raw_len != expected_raw or not 0 < raw_len <= _MAX_RAW:
         raise CorruptFrame(f"frame says {raw_len} payload bytes, its layout implies {expected_raw}")
     if codec_id == codec.RAW and encoded_len != raw_len:

@@ -209,7 +209,7 @@ class EngineCore:
                 if out is not None and fail:
                     events.append(_error(out.request_id, exc))  # a sync write-back the caller depends on
                     continue
-                log.warning("write-back to the site kvstore failed (the reader computes instead): %s", exc)
+                log.warning("write-back to the site kvstore failed (the reader computes instead): %r", exc)
                 if out is not None:
                     events.append(("out", out))
                 continue
