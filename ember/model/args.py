@@ -46,6 +46,7 @@ class MoEArgs:
     topk_groups: int = 1
     scaling_factor: float = 1.0  # routed_scaling_factor: the routed experts' sum is scaled by it
     shared_intermediate_size: int = 0  # a dense shared expert beside the routed ones (0: none)
+    local_experts: tuple[int, int] | None = None  # expert parallelism: this rank's [first, last) experts
 
 
 @dataclass(frozen=True)

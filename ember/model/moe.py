@@ -5,7 +5,12 @@ read once per step (decode reads the active experts' bytes, not all of them), an
 token's slots in its own fixed order (slot 0, 1, ...): a token's output does not depend on which
 other tokens share its step, so a request gives the same tokens alone and batched, before and
 after a migration. An expert's rows are padded to at least MIN_ROWS (torch's CPU matmul takes
-another kernel for fewer rows; ember.engine.attention measured the same fact)."""
+another kernel for fewer rows; ember.engine.attention measured the same fact).
+
+Expert parallelism (ember.parallel.expert_parallel): a rank holds only its `local_experts` and every
+token (attention is replicated); it computes the slots routed to its experts, leaves the others
+zero, and `reduce` (an all-reduce over the ranks) fills in the rest: each slot is one rank's value
+plus zeros, exactly what one rank would have computed, so the combine below gives EP = 1's bits."""
 from __future__ import annotations
 
 import torch
@@ -53,14 +58,17 @@ class MoE(nn.Module):
         m = args.moe
         self.spec = m
         self.num_experts, self.top_k, self.intermediate_size = m.num_experts, m.top_k, m.intermediate_size
+        self.first, self.last = m.local_experts or (0, m.num_experts)  # the experts this rank holds
+        self.reduce = None  # expert parallelism: sums the ranks' slots (set_expert_parallel)
+        local = self.last - self.first
         # the sigmoid router scores in fp32 whatever the serving dtype (as its checkpoints are kept)
         # (a plain parameter, not a Linear: the CPU kernels pack Linears, and the router's weight is read as is)
         self.router = nn.Parameter(torch.empty(m.num_experts, args.hidden_size))
         if m.router == "sigmoid":
             self.register_buffer("correction_bias", torch.zeros(m.num_experts))
         # every expert's gate and up rows stacked, [E, 2I, H]; down [E, H, I]
-        self.gate_up = nn.Parameter(torch.empty(m.num_experts, 2 * m.intermediate_size, args.hidden_size))
-        self.down = nn.Parameter(torch.empty(m.num_experts, args.hidden_size, m.intermediate_size))
+        self.gate_up = nn.Parameter(torch.empty(local, 2 * m.intermediate_size, args.hidden_size))
+        self.down = nn.Parameter(torch.empty(local, args.hidden_size, m.intermediate_size))
         self.shared = None
         if m.shared_intermediate_size:
             from ember.model.llama import MLP
@@ -86,19 +94,23 @@ class MoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts)
         self.expert_tokens += counts
         rows = x[order // self.top_k]
-        out = torch.empty_like(rows)
-        start = 0
-        for expert, n in enumerate(counts.tolist()):
-            if not n:
+        sharded = self.reduce is not None
+        out = torch.zeros_like(rows) if sharded else torch.empty_like(rows)
+        ends = counts.cumsum(0).tolist()
+        for expert in range(self.first, self.last):
+            start, end = (ends[expert - 1] if expert else 0), ends[expert]
+            if start == end:
                 continue
-            part = rows[start:start + n]
-            if n < MIN_ROWS:
-                part = F.pad(part, (0, 0, 0, MIN_ROWS - n))
-            gate, up = F.linear(part, self.gate_up[expert]).chunk(2, dim=-1)
-            out[start:start + n] = F.linear(F.silu(gate) * up, self.down[expert])[:n]
-            start += n
+            part = rows[start:end]
+            if end - start < MIN_ROWS:
+                part = F.pad(part, (0, 0, 0, MIN_ROWS - (end - start)))
+            local = expert - self.first
+            gate, up = F.linear(part, self.gate_up[local]).chunk(2, dim=-1)
+            out[start:end] = F.linear(F.silu(gate) * up, self.down[local])[:end - start]
         slots = torch.empty_like(out)
         slots[order] = out  # back to (token, slot) order
+        if sharded:  # every other rank's slots, each one rank's value plus zeros
+            slots = self.reduce(slots)
         slots = slots.view(tokens, self.top_k, hidden) * weights.to(x.dtype)[..., None]
         y = slots[:, 0]
         for j in range(1, self.top_k):  # each token's slots summed in one fixed order
@@ -106,6 +118,9 @@ class MoE(nn.Module):
         if self.shared is not None:
             y = y + self.shared(x)
         return y
+
+    def set_expert_parallel(self, reduce) -> None:
+        self.reduce = reduce
 
     def hf_weights(self, take, prefix: str) -> dict[str, torch.Tensor]:
         """This block's tensors from a checkpoint's names (`take(name)` pops one): the router
@@ -118,11 +133,19 @@ class MoE(nn.Module):
         stacked = prefix + "experts.gate_up_proj"
         if take.has(stacked):
             own["gate_up"], own["down"] = take(stacked), take(prefix + "experts.down_proj")
+            if stacked_is_whole(own["gate_up"], self.num_experts, self.last - self.first):
+                own["gate_up"] = own["gate_up"][self.first:self.last].clone()
+                own["down"] = own["down"][self.first:self.last].clone()
         else:
-            e = range(self.num_experts)
+            e = range(self.first, self.last)
             own["gate_up"] = torch.stack([torch.cat([take(f"{prefix}experts.{i}.gate_proj.weight"),
                                                      take(f"{prefix}experts.{i}.up_proj.weight")]) for i in e])
             own["down"] = torch.stack([take(f"{prefix}experts.{i}.down_proj.weight") for i in e])
         if self.shared is not None:
             own |= {f"shared.{k}": v for k, v in self.shared.hf_weights(take, prefix + "shared_experts.").items()}
         return own
+
+
+def stacked_is_whole(t: torch.Tensor, num_experts: int, local: int) -> bool:
+    """A stacked expert tensor read whole (a loader that did not slice it for this rank)."""
+    return t.shape[0] == num_experts and local != num_experts
