@@ -31,7 +31,7 @@ ENGINE_ROLES = ("prefill", "decode")
 # Engine settings a role may set for itself. The rest name the bytes of a KV block (dtype,
 # weights, block size) or the request limit the router checks, so both roles must agree.
 ROLE_SETTINGS = ("kv_cache_mb", "kv_cache_memory_fraction", "max_num_seqs", "max_num_batched_tokens", "threads",
-                 "tensor_parallel", "pipeline_parallel")
+                 "tensor_parallel", "pipeline_parallel", "expert_parallel")
 
 
 def _address(value: str) -> str:
@@ -193,6 +193,7 @@ class RoleEngineSettings(Section):
     threads: int | None = Field(None, ge=0)
     tensor_parallel: int | None = Field(None, ge=1)
     pipeline_parallel: int | None = Field(None, ge=1)
+    expert_parallel: int | None = Field(None, ge=1)
 
 
 assert set(RoleEngineSettings.model_fields) == set(ROLE_SETTINGS) <= set(EngineSettings.model_fields)

@@ -63,7 +63,10 @@ class LLMEngine:
     def __init__(self, config: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None):
         torch.set_num_threads(config.torch_threads())
         self.config = config
-        parallel = config.tensor_parallel > 1 or config.pipeline_parallel > 1  # ranks load their parts (ember.parallel)
+        # ranks load their parts (ember.parallel)
+        parallel = config.tensor_parallel > 1 or config.pipeline_parallel > 1 or config.expert_parallel > 1
+        if config.expert_parallel > 1 and (config.tensor_parallel > 1 or config.pipeline_parallel > 1):
+            raise ValueError("expert_parallel does not combine with tensor_parallel or pipeline_parallel yet")
         if config.pipeline_parallel == 1 and (config.pipeline_partition or config.pipeline_microbatches):
             raise ValueError("pipeline_partition and pipeline_microbatches need pipeline_parallel > 1")
         if parallel and loaded is not None:
@@ -81,7 +84,10 @@ class LLMEngine:
             self.loaded.model.to(torch.device(config.device))  # (its weights were read into host memory)
         num_blocks = config.num_kv_blocks or config.pool_bytes() // self.layout.block_bytes
         if parallel:
-            if config.pipeline_parallel > 1:  # (each stage a group of tensor_parallel ranks)
+            if config.expert_parallel > 1:
+                from ember.parallel.expert_parallel import ExpertParallelRunner as Runner
+                name = f"expert-parallel-{config.expert_parallel}"
+            elif config.pipeline_parallel > 1:  # (each stage a group of tensor_parallel ranks)
                 from ember.parallel.pipeline_parallel import PipelineParallelRunner as Runner
                 name = f"pipeline-parallel-{config.pipeline_parallel}"
                 if config.tensor_parallel > 1:
@@ -188,6 +194,24 @@ class LLMEngine:
             raise CapacityError(f"the engine's queue is full ({queued} requests waiting, limit "
                                 f"{self.config.max_waiting_requests}; {tokens} prompt tokens with this one, limit "
                                 f"{self.config.max_waiting_tokens}); retry shortly")
+
+    def expert_tokens(self) -> list[int]:
+        """Tokens routed to each expert since start, over all MoE layers ([] for a dense model). The
+        driver's model routes every token, also under expert parallelism (the router is replicated)."""
+        if self.loaded.args.moe is None:
+            return []
+        from ember.model.moe import routed_tokens
+        model = self.loaded.model if self.loaded.model is not None else self.runner.me.loaded.model
+        return routed_tokens(model)
+
+    def expert_ranks(self) -> list[int]:
+        """The rank that holds each expert (all 0 without expert parallelism)."""
+        moe = self.loaded.args.moe
+        if moe is None:
+            return []
+        shards = getattr(self.runner, "shards", None) if self.config.expert_parallel > 1 else None
+        return [next(s.rank for s in shards if s.experts[0] <= e < s.experts[1]) if shards else 0
+                for e in range(moe.num_experts)]
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)

@@ -44,9 +44,11 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense",
     check_weights(path, dtype, weights)
     folder = ensure_gguf_cache(path) if path.suffix == ".gguf" else path
     args = ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
-    if args.family != "llama" and (weights != "dense" or shard is not None or layers is not None):
-        raise ValueError(f"a {args.family} model is served with weights: dense on one rank for now "
-                         f"(int4 and tensor/pipeline parallelism serve the Llama family)")
+    experts_only = shard is not None and hasattr(shard, "experts")  # expert parallelism (ExpertShard)
+    if args.family != "llama" and (weights != "dense" or (shard is not None and not experts_only)
+                                   or layers is not None):
+        raise ValueError(f"a {args.family} model is served with weights: dense on one rank or expert parallel "
+                         f"for now (int4 and tensor/pipeline parallelism serve the Llama family)")
     torch_dtype = DTYPES[dtype]
     packs = _cached_packs(path) if weights == "q4" and shard is None and layers is None else None
     tensors = {}
@@ -55,9 +57,10 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense",
             tensors.update(_read_part(file, torch_dtype, args, shard, layers))
         else:
             # the embedding is only looked up by row: map it, don't load it (113 MB for SmolLM2);
-            # layer linears the packed cache holds are never read
-            tensors.update(read_safetensors(file, torch_dtype, mapped=("model.embed_tokens.weight",),
-                                            skip=_is_layer_linear if packs is not None else None))
+            # layer linears the packed cache holds are never read; nor a multimodal wrapper's other towers
+            embedding = args.weights_prefix + "model.embed_tokens.weight"
+            tensors.update(read_safetensors(file, torch_dtype, mapped=(embedding,),
+                                            skip=_is_layer_linear if packs is not None else _outside(args)))
     weights_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     local = args if shard is None else shard.local_args(args)
     if layers is not None:
@@ -121,6 +124,11 @@ def _read_part(file: Path, dtype: torch.dtype, args: ModelArgs, shard, layers: t
             part = f.get_slice(name)
             if shard is None:
                 t = part[:]
+            elif hasattr(shard, "experts"):  # expert parallel: only this rank's experts are read
+                if not shard.reads(name):
+                    continue
+                rows = shard.stacked_rows(name)
+                t = part[:] if rows is None else part[slice(*rows)]
             else:
                 rows, cols = tensor_slice(name, args, shard)
                 index = (slice(*rows) if rows else slice(None), slice(*cols) if cols else slice(None))
@@ -133,6 +141,14 @@ def _read_part(file: Path, dtype: torch.dtype, args: ModelArgs, shard, layers: t
 Q4_FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
             "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
             "mlp.down_proj": ("mlp.down_proj",)}
+
+
+def _outside(args: ModelArgs):
+    """For a text model under a multimodal wrapper (Llama 4's `language_model.`): whether a tensor is
+    not the text model's (the vision tower, the projector: never read). None: every tensor is read."""
+    if not args.weights_prefix:
+        return None
+    return lambda name: not name.startswith(args.weights_prefix)
 
 
 def _is_layer_linear(name: str) -> bool:

@@ -20,6 +20,9 @@ from torch import nn
 from ember.model.args import ModelArgs
 
 MIN_ROWS = 8
+# each router kind's checkpoint names in the block: (router weight, shared expert's prefix)
+NAMES = {"softmax": ("gate.weight", "shared_experts."), "sigmoid": ("gate.weight", "shared_experts."),
+         "llama4": ("router.weight", "shared_expert.")}
 
 
 def route_softmax(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,6 +53,14 @@ def route_sigmoid(logits: torch.Tensor, bias: torch.Tensor, top_k: int, num_grou
     if norm:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * scaling, experts
+
+
+def route_llama4(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4: the top_k largest logits, each chosen expert's score the sigmoid of its logit (in fp32,
+    rounded to the logits' dtype as transformers does). The score scales the expert's input, not its
+    output (MoE.forward)."""
+    top, experts = torch.topk(logits, top_k, dim=1)
+    return torch.sigmoid(top.float()).to(logits.dtype), experts
 
 
 class MoE(nn.Module):
@@ -83,6 +94,9 @@ class MoE(nn.Module):
             logits = F.linear(x.float(), self.router.float())
             return route_sigmoid(logits, self.correction_bias.float(), m.top_k, m.num_groups, m.topk_groups,
                                  m.norm_topk_prob, m.scaling_factor)
+        if m.router == "llama4":
+            weights, experts = route_llama4(F.linear(x, self.router), m.top_k)
+            return weights.float(), experts
         weights, experts = route_softmax(F.linear(x, self.router), m.top_k, m.norm_topk_prob)
         return weights.to(x.dtype).float(), experts
 
@@ -94,6 +108,9 @@ class MoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts)
         self.expert_tokens += counts
         rows = x[order // self.top_k]
+        scales_input = self.spec.router == "llama4"
+        if scales_input:  # Llama 4: each (token, slot) row enters its expert scaled by the slot's score
+            rows = rows * weights.flatten()[order].to(x.dtype)[:, None]
         sharded = self.reduce is not None
         out = torch.zeros_like(rows) if sharded else torch.empty_like(rows)
         ends = counts.cumsum(0).tolist()
@@ -111,7 +128,9 @@ class MoE(nn.Module):
         slots[order] = out  # back to (token, slot) order
         if sharded:  # every other rank's slots, each one rank's value plus zeros
             slots = self.reduce(slots)
-        slots = slots.view(tokens, self.top_k, hidden) * weights.to(x.dtype)[..., None]
+        slots = slots.view(tokens, self.top_k, hidden)
+        if not scales_input:
+            slots = slots * weights.to(x.dtype)[..., None]
         y = slots[:, 0]
         for j in range(1, self.top_k):  # each token's slots summed in one fixed order
             y = y + slots[:, j]
@@ -124,16 +143,23 @@ class MoE(nn.Module):
 
     def hf_weights(self, take, prefix: str) -> dict[str, torch.Tensor]:
         """This block's tensors from a checkpoint's names (`take(name)` pops one): the router
-        (`gate.weight`, DeepSeek's `gate.e_score_correction_bias`), experts stacked
-        (`experts.gate_up_proj` / `experts.down_proj`, as transformers >= 5 saves them) or one by
-        one (`experts.{e}.gate_proj.weight`, ...), and a shared expert."""
-        own = {"router": take(prefix + "gate.weight")}
+        (`gate.weight`, DeepSeek's `gate.e_score_correction_bias`, Llama 4's `router.weight`), experts
+        stacked (`experts.gate_up_proj` / `experts.down_proj`, as transformers >= 5 saves them; Llama 4's
+        the other way round, [E, H, 2I] and [E, I, H], transposed here) or one by one
+        (`experts.{e}.gate_proj.weight`, ...), and a shared expert."""
+        router, shared = NAMES[self.spec.router]
+        own = {"router": take(prefix + router)}
         if self.spec.router == "sigmoid":
             own["correction_bias"] = take(prefix + "gate.e_score_correction_bias")
         stacked = prefix + "experts.gate_up_proj"
         if take.has(stacked):
             own["gate_up"], own["down"] = take(stacked), take(prefix + "experts.down_proj")
-            if stacked_is_whole(own["gate_up"], self.num_experts, self.last - self.first):
+            whole = stacked_is_whole(own["gate_up"], self.num_experts, self.last - self.first)
+            if self.spec.router == "llama4":  # x @ w layout: to the F.linear rows every other family has
+                e = slice(self.first, self.last) if whole else slice(None)
+                own["gate_up"] = own["gate_up"][e].transpose(1, 2).contiguous()
+                own["down"] = own["down"][e].transpose(1, 2).contiguous()
+            elif whole:
                 own["gate_up"] = own["gate_up"][self.first:self.last].clone()
                 own["down"] = own["down"][self.first:self.last].clone()
         else:
@@ -142,10 +168,16 @@ class MoE(nn.Module):
                                                      take(f"{prefix}experts.{i}.up_proj.weight")]) for i in e])
             own["down"] = torch.stack([take(f"{prefix}experts.{i}.down_proj.weight") for i in e])
         if self.shared is not None:
-            own |= {f"shared.{k}": v for k, v in self.shared.hf_weights(take, prefix + "shared_experts.").items()}
+            own |= {f"shared.{k}": v for k, v in self.shared.hf_weights(take, prefix + shared).items()}
         return own
 
 
 def stacked_is_whole(t: torch.Tensor, num_experts: int, local: int) -> bool:
     """A stacked expert tensor read whole (a loader that did not slice it for this rank)."""
     return t.shape[0] == num_experts and local != num_experts
+
+
+def routed_tokens(model: nn.Module) -> list[int]:
+    """Tokens routed to each expert since start, summed over the model's MoE layers ([] if dense)."""
+    counts = [m.expert_tokens for m in model.modules() if isinstance(m, MoE)]
+    return torch.stack(counts).sum(0).tolist() if counts else []

@@ -1,4 +1,4 @@
-"""Tensor-parallel shard maths (Megatron style), torch-free: which heads, MLP columns and vocabulary
+"""Parallel shard maths, torch-free. Tensor parallelism (Megatron style): which heads, MLP columns and vocabulary
 rows each rank owns, and which slice of each checkpoint tensor that is.
 
 - Attention is split by KV group: a rank owns whole groups (its KV heads and all their query
@@ -156,3 +156,37 @@ def tensor_slice(name: str, args: ModelArgs, shard: RankShard) -> tuple[tuple[in
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return shard.vocab, None
     return None, None  # norms: whole on every rank
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """One expert-parallel rank's part: [first, last) of every MoE layer's routed experts, and all
+    of everything else."""
+    rank: int
+    degree: int
+    experts: tuple[int, int]
+
+    def local_args(self, args: ModelArgs) -> ModelArgs:
+        return replace(args, moe=replace(args.moe, local_experts=self.experts))
+
+    def reads(self, name: str) -> bool:
+        """False for another rank's expert stored on its own (`...experts.{e}.gate_proj.weight`)."""
+        parts = name.split(".")
+        for i, part in enumerate(parts[:-1]):
+            if part == "experts" and parts[i + 1].isdigit():
+                return self.experts[0] <= int(parts[i + 1]) < self.experts[1]
+        return True
+
+    def stacked_rows(self, name: str) -> tuple[int, int] | None:
+        """This rank's rows of a stacked expert tensor (`experts.gate_up_proj`, [E, ...]); None: all."""
+        return self.experts if name.endswith(("experts.gate_up_proj", "experts.down_proj")) else None
+
+
+def plan_experts(args: ModelArgs, degree: int) -> list[ExpertShard]:
+    """The routed experts over `degree` ranks, contiguous, sizes differing by at most one (bigger first)."""
+    if args.moe is None:
+        raise ValueError(f"expert_parallel {degree} needs a mixture-of-experts model; this {args.family} "
+                         "model is dense")
+    if degree > args.moe.num_experts:
+        raise ValueError(f"expert_parallel {degree} exceeds the model's {args.moe.num_experts} routed experts")
+    return [ExpertShard(r, degree, span) for r, span in enumerate(_split(args.moe.num_experts, degree))]

@@ -76,7 +76,7 @@ class _WorkerCollector:
         yield running
 
 
-class _SpeculationCollector:
+class _EngineCounters:
     """Counters kept by the engine core, read off its latest snapshot (the client watch_engine names)."""
     client = None
 
@@ -88,9 +88,15 @@ class _SpeculationCollector:
                                   value=snap.draft_tokens)
         yield CounterMetricFamily("ember:spec_decode_num_accepted_tokens", "Drafts kept (each a decode step saved)",
                                   value=snap.accepted_tokens)
+        if snap.expert_tokens:  # a mixture-of-experts model: the load on each expert (and its rank)
+            experts = CounterMetricFamily("ember:moe_expert_tokens", "Tokens routed to each expert, over all "
+                                          "MoE layers, since start", labels=["expert", "rank"])
+            for expert, (tokens, rank) in enumerate(zip(snap.expert_tokens, snap.expert_ranks)):
+                experts.add_metric([str(expert), str(rank)], tokens)
+            yield experts
 
 
-_SPECULATION = _SpeculationCollector()
+_ENGINE_COUNTERS = _EngineCounters()
 
 
 def watch_workers(pool) -> None:
@@ -105,9 +111,9 @@ def watch_engine(client) -> None:
     KV_USAGE.set_function(lambda: client.snapshot.used_blocks / max(1, client.snapshot.total_blocks))
     for tier in ("l1", "l2", "computed"):
         PROMPT_TOKENS_BY_TIER.labels(tier).set_function(lambda t=tier: getattr(client.snapshot, f"tokens_{t}"))
-    if _SPECULATION.client is None:
-        REGISTRY.register(_SPECULATION)
-    _SPECULATION.client = client
+    if _ENGINE_COUNTERS.client is None:
+        REGISTRY.register(_ENGINE_COUNTERS)
+    _ENGINE_COUNTERS.client = client
 
 
 def watch_store(store) -> None:

@@ -78,6 +78,8 @@ class Snapshot:
     tokens_computed: int = 0
     draft_tokens: int = 0  # speculative drafts verified, since start
     accepted_tokens: int = 0  # of those, kept
+    expert_tokens: tuple[int, ...] = ()  # a MoE model's tokens routed to each expert, since start
+    expert_ranks: tuple[int, ...] = ()  # the expert-parallel rank holding each expert
 
 
 @dataclass(frozen=True)
