@@ -10,7 +10,7 @@ import pytest
 
 TORCH_FREE = ["ember.kv.block_hash", "ember.kv.chunks", "ember.kv.transfer", "ember.kv.bulk",
               "ember.engine.block_manager", "ember.engine.scheduler", "ember.engine.sampling_params",
-              "ember.engine.constraints", "ember.parallel.shard",
+              "ember.engine.constraints", "ember.parallel.shard", "ember.placement.memory_plan",
               "ember.services.router.tools", "ember.services.router.openai_choices",
               "ember.engine.sequence", "ember.engine.detokenizer", "ember.model.tokenizer", "ember.model.files",
               "ember.config.schema", "ember.config.load", "ember.config.derived", "ember.config.services",

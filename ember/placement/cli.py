@@ -1,4 +1,4 @@
-"""`ember config check|example`, `ember trace`, `ember simulate`, `ember plan` (torch-free)."""
+"""`ember config check|example`, `ember trace`, `ember simulate`, `ember plan [memory]` (torch-free)."""
 from __future__ import annotations
 
 import argparse
@@ -95,6 +95,12 @@ def cmd_simulate(args) -> int:
 
 
 def cmd_plan(args) -> int:
+    if args.what == "memory":
+        return cmd_plan_memory(args)
+    missing = [flag for flag, value in (("--config", args.config), ("--trace", args.trace)) if value is None]
+    if missing:
+        print(f"error: ember plan (workers) needs {' and '.join(missing)}", file=sys.stderr)
+        return 2
     from ember.config.load import load_config
     from ember.placement import trace
     from ember.placement.plan import Planner, sized
@@ -134,6 +140,93 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_plan_memory(args) -> int:
+    """`ember plan memory`: per weight dtype, every TP/PP/EP layout's weights and KV per rank and
+    the context that fits beside them (ember.placement.memory_plan), then a verdict."""
+    from ember.placement import memory_plan as mp
+    missing = [flag for flag, value in (("--model-config", args.model_config), ("--hardware", args.hardware))
+               if value is None]
+    if missing:
+        print(f"error: ember plan memory needs {' and '.join(missing)}", file=sys.stderr)
+        return 2
+    try:
+        shape = mp.read_model_shape(args.model_config)
+        hardware = mp.parse_hardware(args.hardware)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not 0 < args.memory_fraction <= 1 or args.reserve_gib < 0:
+        print("error: --memory-fraction must be in (0, 1] and --reserve-gib >= 0", file=sys.stderr)
+        return 2
+    budget = mp.Budget(args.memory_fraction, args.reserve_gib * mp.GIB, args.kv_dtype)
+    dtypes = list(mp.WEIGHT_DTYPES) if args.dtype == "all" else [args.dtype]
+    print("\n".join(_memory_header(shape, hardware, budget, args.model_config)))
+    report = {"model_config": str(args.model_config), "model_type": shape.model_type, "hardware": str(hardware),
+              "gpu_memory_gb": hardware.memory_gb, "memory_fraction": budget.memory_fraction,
+              "reserve_bytes": budget.reserve_bytes, "kv_dtype": budget.kv_dtype,
+              "min_context_tokens": budget.min_context_tokens, "parameters": shape.parameter_counts(),
+              "total_parameters": shape.total_parameters, "active_parameters": shape.active_parameters,
+              "kv_bytes_per_token": shape.kv_bytes_per_token(budget.kv_dtype), "dtypes": []}
+    for dtype in dtypes:
+        plans = mp.plan_memory(shape, hardware, dtype, budget)
+        smallest = mp.smallest_fit(shape, hardware.gpu, dtype, budget)
+        print()
+        print("\n".join(_memory_table(shape, hardware, dtype, plans, smallest)))
+        report["dtypes"].append({"dtype": dtype, "note": mp.WEIGHT_DTYPES[dtype].note,
+                                 "layouts": [p.as_dict() for p in plans],
+                                 "smallest_fit": None if smallest is None else
+                                 {"gpus": smallest[0], **smallest[1].as_dict()}})
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    return 0
+
+
+def _memory_header(shape, hardware, budget, source) -> list[str]:
+    from ember.placement.memory_plan import KV_DTYPE_BYTES
+    parts = ", ".join(f"{name.replace('_', ' ')} " + (f"{n / 1e9:.2f} B" if n >= 1e7 else f"{n / 1e6:.2f} M")
+                      for name, n in shape.parameter_counts().items() if n)
+    kv_values = shape.kv_values_per_token_layer()
+    kv_kind = ("one MLA latent plane, whole on every TP rank" if shape.attention == "MLA"
+               else f"K and V of {shape.num_kv_heads} KV heads, split by TP up to {shape.num_kv_heads}")
+    usable = budget.usable_bytes(hardware)
+    return [f"{Path(source).name}: {shape.model_type} ({shape.attention}), {len(shape.layers)} layers, "
+            f"{shape.total_parameters / 1e9:,.1f} B parameters ({shape.active_parameters / 1e9:.1f} B active); "
+            f"vision towers not counted",
+            f"  {parts}",
+            f"KV per token ({budget.kv_dtype}): {kv_values} values x {len(shape.layers)} layers x "
+            f"{KV_DTYPE_BYTES[budget.kv_dtype]} B = {shape.kv_bytes_per_token(budget.kv_dtype):,} B ({kv_kind})",
+            f"{hardware}: {hardware.count} x {hardware.memory_gb:g} GB; usable {budget.memory_fraction:.2f} x "
+            f"{hardware.memory_gb:g} = {usable / 1e9:.1f} GB a GPU, less {budget.reserve_bytes / 2 ** 30:g} GiB for "
+            f"activations and workspace; a layout fits when >= {budget.min_context_tokens:,} context tokens do"]
+
+
+def _memory_table(shape, hardware, dtype, plans, smallest) -> list[str]:
+    from ember.placement import memory_plan as mp
+    chunked = shape.chunk_size is not None
+    head = ("layout", "weights/rank GB", "KV B/token/rank", "context tokens") + (("one sequence",) if chunked else ())
+    rows = [head]
+    for p in plans:
+        tokens = f"{p.context_tokens:,}" if p.fits else f"- ({p.reason})"
+        extra = (f"{p.one_sequence_tokens:,}" if p.one_sequence_tokens is not None else "-",) if chunked else ()
+        rows.append((str(p.layout), f"{p.weight_bytes / 1e9:.1f}", f"{p.kv_bytes_per_token:,}", tokens) + extra)
+    total = mp.total_weight_bytes(shape, dtype)
+    lines = [f"== {dtype}: {mp.WEIGHT_DTYPES[dtype].note}; {total / 1e9:,.1f} GB of weights in all"] + _table(rows)
+    fitting = [p for p in plans if p.fits]
+    top = mp.best(plans)
+    lines.append(f"verdict: fits {hardware} in {len(fitting)} of {len(plans)} layouts; most context {top.layout} "
+                 f"({top.context_tokens:,} tokens)" if top else f"verdict: no layout fits {hardware}")
+    budgeted = (f"{smallest[0]} ({smallest[1].layout}, {smallest[1].context_tokens:,} context tokens)" if smallest
+                else f"more than {mp.GPU_COUNTS_SEARCHED[-1]}")
+    lines.append(f"  fewest {hardware.gpu}: the weights alone need {mp.gpus_for_weights(shape, hardware.gpu, dtype)} "
+                 f"({total / 1e9:,.1f} GB); within the budget above, {budgeted}")
+    if chunked:
+        local = sum(layer.chunked for layer in shape.layers)
+        lines.append(f"  one sequence: the longest single context when the {local} chunked-attention layers keep only "
+                     f"its last {shape.chunk_size:,} tokens (a hybrid allocator, as vLLM's)")
+    return lines
+
+
 def add_commands(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("config", help="check an edge-placement config, or print an example")
     c.add_argument("action", choices=["check", "example"])
@@ -159,9 +252,20 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--output", help="JSON report")
     s.set_defaults(func=cmd_simulate)
 
-    p = sub.add_parser("plan", help="size prefill and decode workers per site for a trace and SLOs (simulated)")
-    p.add_argument("--config", required=True, help="the sites, links, regions and hardware profiles")
-    p.add_argument("--trace", required=True, help="JSON lines (ember trace)")
+    p = sub.add_parser("plan", help="size prefill and decode workers per site for a trace and SLOs (simulated); "
+                                     "`plan memory`: weights, KV and context per GPU of a model's layouts")
+    p.add_argument("what", nargs="?", choices=["workers", "memory"], default="workers",
+                   help="workers (default: --config, --trace) or memory (--model-config, --hardware)")
+    p.add_argument("--config", help="workers: the sites, links, regions and hardware profiles")
+    p.add_argument("--trace", help="workers: JSON lines (ember trace)")
+    p.add_argument("--model-config", help="memory: a Hugging Face config.json (or a folder holding one)")
+    p.add_argument("--hardware", help="memory: <GPU>x<count>, e.g. H100x8, H200x2 (GPU: H100, H200, A100, L40S, B200)")
+    p.add_argument("--dtype", default="all", choices=["bf16", "fp8", "int4", "all"], help="memory: weight dtype")
+    p.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8"], help="memory: KV cache dtype")
+    p.add_argument("--memory-fraction", type=float, default=0.90, help="memory: share of each GPU's memory to use")
+    p.add_argument("--reserve-gib", type=float, default=4.0,
+                   help="memory: GiB a GPU keeps for activations, workspace, CUDA graphs and communication buffers")
+    p.add_argument("--json", help="memory: write the plan as JSON")
     p.add_argument("--slo-ttft", type=float, default=1.0, help="TTFT target, seconds")
     p.add_argument("--slo-tpot", type=float, default=0.05, help="TPOT target, seconds")
     p.add_argument("--share", type=float, default=0.95, help="fraction of requests that must meet both targets")
