@@ -2,9 +2,10 @@
 
 Each keeps every structural field of the real config (DeepSeek-V3 / Kimi K2.5's latent attention,
 group-limited sigmoid routing with its correction bias, shared and routed experts, dense first
-layers, yarn rope; Qwen3's QK-norm; Qwen3-MoE's softmax router and sparse step) with layers and
-widths scaled down, and the default model's tokenizer beside it, so Ember loads the folder as it
-would a real checkpoint and transformers is the reference."""
+layers, yarn rope; Qwen3's QK-norm; Qwen3-MoE's softmax router and sparse step; Llama 4's NoPE
+and chunked layers, L2 QK-norm, temperature tuning, llama3 rope, input-scaling router and shared
+expert) with layers and widths scaled down, and the default model's tokenizer beside it, so Ember
+loads the folder as it would a real checkpoint and transformers is the reference."""
 from __future__ import annotations
 
 import shutil
@@ -31,6 +32,17 @@ CONFIGS = {
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 512, "beta_fast": 32, "beta_slow": 1,
                          "mscale": 1.0, "mscale_all_dim": 1.0})),
+    # Llama 4 Scout's text model: a NoPE layer every 4th (no_rope_layers), the rope layers chunked
+    # (attention_chunk_size, 32 here: the prompts cross chunks) with L2 QK-norm, attention temperature
+    # on the NoPE layers (floor_scale 16, so it moves at these lengths; Scout's 8192), llama3 rope
+    # (Scout's factor, its band smoothed here: low 1 / high 4), top-1 sigmoid-routed experts with a
+    # shared expert; every 2nd layer MoE (Maverick's interleave) so dense layers of intermediate_size_mlp too
+    "llama4": ("Llama4TextConfig", dict(
+        intermediate_size=32, intermediate_size_mlp=128, num_key_value_heads=2, head_dim=32,
+        num_local_experts=8, num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layers=[1, 1, 1, 0],
+        attention_chunk_size=32, use_qk_norm=True, attn_temperature_tuning=True, floor_scale=16, attn_scale=0.1,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
 }
 
 

@@ -10,15 +10,15 @@ from ember.engine.engine import LLMEngine
 from ember.engine.sampling_params import SamplingParams
 from ember.model.args import read_model_args
 from ember.parallel.expert_parallel import expert_weight_bytes
+from ember.parallel.shard import ExpertShard, plan_experts
 from ember.rpc import metrics
 from ember.serving.engine_core import EngineCore
-from ember.parallel.shard import ExpertShard, plan_experts
 from tests.conftest import PROMPTS
 from tests.families import build
 from tests.parallel_kill import assert_a_killed_rank_fails_the_engine
 
 pytestmark = pytest.mark.timeout(600)
-KINDS = ("deepseek_v3", "qwen3_moe")
+KINDS = ("deepseek_v3", "qwen3_moe", "llama4")
 STEPS = 16
 
 

@@ -1,10 +1,13 @@
 """Every family Ember serves gives transformers' own greedy tokens on the exact (fp32) path: a random
 checkpoint of each (tests/families.py: DeepSeek-V3 / Kimi K2.5's latent attention and routed
-experts, Qwen3's QK-norm, Qwen3-MoE), saved by transformers and loaded by Ember from the folder.
-Alone, batched, chunked and from a cached prefix; the last step's logits to 1e-4."""
+experts, Qwen3's QK-norm, Qwen3-MoE, Llama 4's NoPE and chunked layers and its router), saved by
+transformers and loaded by Ember from the folder. Alone, batched, chunked and from a cached prefix;
+the last step's logits to 1e-4."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,7 +106,7 @@ def test_from_a_cached_prefix_the_same_tokens(kind, checkpoints, references, pro
 
 
 def test_moe_request_alone_and_among_7_others_gives_identical_tokens(checkpoints, prompts):
-    for kind in ("qwen3_moe", "deepseek_v3"):
+    for kind in ("qwen3_moe", "deepseek_v3", "llama4"):
         [alone] = engine_for(checkpoints[kind]).generate([prompts[0]], greedy())
         others = [prompts[i % len(prompts)][:40 + 7 * i] for i in range(1, 8)]
         among = engine_for(checkpoints[kind]).generate([prompts[0], *others], greedy())[0]  # (a fresh cache)
@@ -134,6 +137,79 @@ def test_the_latent_cache_holds_576_values_a_token_for_kimi_and_48_here(checkpoi
             "qk_rope_head_dim": 64, "v_head_dim": 128, "n_routed_experts": 384, "num_experts_per_tok": 8,
             "moe_intermediate_size": 2048, "n_group": 1, "topk_group": 1}
     assert args_from_config(kimi).kv_cache_dim == 576
+
+
+def test_llama4_reads_its_layers_as_transformers_does_for_scout_and_its_defaults():
+    """Scout's text config (transformers' defaults; and the public one, configs/models): which layers
+    are NoPE, chunked, MoE, as transformers derives them, whether the config lists them or leaves
+    them to the defaults; its llama3 rope (low_freq_factor == high_freq_factor: no smoothed band)
+    equals transformers' tables."""
+    import transformers
+
+    from ember.model.rope import rope_cos_sin
+    text = transformers.Llama4TextConfig(num_hidden_layers=8).to_dict()
+    text["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 16.0, "low_freq_factor": 1.0,
+                               "high_freq_factor": 1.0, "original_max_position_embeddings": 8192}
+    wrapped = {"architectures": ["Llama4ForConditionalGeneration"], "model_type": "llama4", "text_config": text}
+    args = args_from_config(wrapped)
+    assert args.rope_layers == tuple(bool(r) for r in text["no_rope_layers"]) == (True, True, True, False) * 2
+    assert args.attention_chunks == tuple(8192 if t == "chunked_attention" else 0 for t in text["layer_types"])
+    assert args.moe.layers == tuple(i in text["moe_layers"] for i in range(8)) and args.moe.router == "llama4"
+    assert (args.weights_prefix, args.mlp_name, args.qk_l2_norm, args.attn_temperature) == \
+        ("language_model.", "feed_forward", True, (8192.0, 0.1))
+    scout = args_from_config(json.loads((Path(__file__).parents[1] / "configs/models/llama-4-scout.json").read_text()))
+    assert (sum(scout.rope_layers), set(scout.attention_chunks), sum(scout.moe.layers), scout.moe.num_experts,
+            scout.moe.shared_intermediate_size, scout.moe.top_k) == (36, {0, 8192}, 48, 16, 8192, 1)
+    assert scout.rope_scaling == args.rope_scaling and scout.attn_temperature == (8192.0, 0.1)  # (tuning: 4, truthy)
+    bare = {k: v for k, v in text.items() if k not in ("no_rope_layers", "moe_layers", "layer_types")}
+    assert args_from_config({"architectures": ["Llama4ForCausalLM"]} | bare) == replace(args, weights_prefix="")
+    config = transformers.Llama4TextConfig(**{k: v for k, v in text.items() if k != "transformers_version"}
+                                           | {"max_position_embeddings": 40000})
+    freqs = transformers.models.llama4.modeling_llama4.Llama4TextRotaryEmbedding(config)(
+        torch.empty(0), torch.arange(40000)[None])[0]
+    cos, sin = rope_cos_sin(args.rope_dim, args.rope_theta, 40000, args.rope_scaling)
+    half = args.head_dim // 2
+    torch.testing.assert_close(cos[:, :half], freqs.real, rtol=0, atol=1e-6)
+    torch.testing.assert_close(sin[:, :half], freqs.imag, rtol=0, atol=1e-6)
+
+
+def test_llama4_multimodal_checkpoint_serves_its_text_model(tmp_path, checkpoints, references, prompts):
+    """Llama4ForConditionalGeneration (as Scout ships): its language_model's tensors are served, the
+    vision tower's and projector's never read; the tokens are the text model's."""
+    import transformers
+
+    from ember.model.safetensors_io import read_safetensors
+    text_model, _ = references["llama4"]
+    vision = transformers.Llama4VisionConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                             intermediate_size=64, vision_output_dim=64, image_size=28, patch_size=14,
+                                             projector_input_dim=64, projector_output_dim=64)
+    config = transformers.Llama4Config(text_config=text_model.config.to_dict(), vision_config=vision.to_dict())
+    wrapper = transformers.Llama4ForConditionalGeneration(config)
+    wrapper.language_model.load_state_dict(text_model.state_dict())
+    wrapper.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes((checkpoints["llama4"] / name).read_bytes())
+    engine = engine_for(tmp_path)
+    assert engine.loaded.args.weights_prefix == "language_model."
+    [out] = engine.generate([prompts[1]], greedy())
+    assert out.token_ids == hf_greedy(references, "llama4", prompts[1])
+    text_bytes = sum(t.numel() * t.element_size()
+                     for f in checkpoints["llama4"].glob("*.safetensors") for t in read_safetensors(f).values())
+    assert engine.loaded.weights_bytes == text_bytes  # (the vision tower was not read)
+
+
+def test_llama4_refuses_what_it_does_not_serve(checkpoints):
+    cfg = json.loads((checkpoints["llama4"] / "config.json").read_text())
+    for change, name in (({"layer_types": ["sliding_attention"] * 4}, "sliding_attention"),
+                         ({"attention_bias": True}, "attention_bias"),
+                         ({"quantization_config": {"quant_method": "fbgemm_fp8"}}, "quantization_config"),
+                         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "rope_type 'yarn'"),
+                         ({"hidden_act": "gelu"}, "hidden_act")):
+        with pytest.raises(ValueError, match=name):
+            args_from_config(cfg | change)
+    with pytest.raises(ValueError, match="weights: dense"):  # int4 / tensor / pipeline parallel: the Llama family
+        from ember.model.loader import load_model
+        load_model(checkpoints["llama4"], "float32", "dense", layers=(0, 2))
 
 
 def test_an_unknown_architecture_is_refused_naming_those_served():

@@ -73,9 +73,11 @@ def test_batched_decode_with_ragged_contexts_equals_dense():
         torch.testing.assert_close(out[row], dense(q, k, v)[-1], rtol=1e-5, atol=1e-5)
 
 
-def run_sequence(q, k, v, chunks, decode_from, table, dtype, others=0, **kw):
+def run_sequence(q, k, v, chunks, decode_from, table, dtype, others=0, attention=None, **kw):
     """Attention outputs of one sequence: prefill in `chunks` up to `decode_from`, then one
-    decode step per token, batched with `others` unrelated sequences."""
+    decode step per token, batched with `others` unrelated sequences. attention: more PagedAttention
+    keywords (its own `chunks`, say)."""
+    kw |= attention or {}
     cache = make_cache(128, dtype)
     out, start, T = torch.empty_like(q), 0, q.shape[0]
     for n in chunks:
@@ -193,3 +195,53 @@ def test_chunked_prefill_gives_the_same_tokens_as_one_shot(make_engine):
     [b] = chunked.generate([ids], params)
     assert len(ids) > 300 and chunked.stats.num_steps >= len(ids) // 100 + 11
     assert a.token_ids == b.token_ids
+
+
+def dense_local(q, k, v, window):
+    """Reference chunked local attention: a query at p sees the keys at [p - p % window, p]."""
+    pos = torch.arange(q.shape[0])
+    seen = (pos[None, :] <= pos[:, None]) & (pos[None, :] >= (pos - pos % window)[:, None])
+    k, v = (x.repeat_interleave(H // HKV, dim=1).transpose(0, 1) for x in (k, v))
+    return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=seen).transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_chunked_local_attention_sees_only_its_chunk_in_prefill_chunked_prefill_and_decode(dtype):
+    """Llama 4's rope layers (PagedAttention chunks): a query sees only the keys of its own chunk of
+    positions, however the sequence was computed: one prefill, chunks of any size (beside the window
+    or across it), decode steps batched with others, a verify step's rows. fp32 (SDPA) equals the
+    dense reference; bf16 (the batch-invariant torch recipe: the C++ kernel does not take chunks)
+    gives the same bits every way. Layer 1 of the same step is a full-attention layer."""
+    torch.manual_seed(5)
+    T, window = 300, 24  # (not a multiple of the block size)
+    kw = {"chunks": (window, 0)}
+    q, k, v = (torch.randn(T, h, D).to(getattr(torch, dtype)) for h in (H, HKV, HKV))
+    table = list(range(40, 40 + T // BS + 1))[::-1]
+    assert PagedAttention(make_cache(4, dtype), torch.tensor([0]), [], None, 1.0, **kw).tiles is None
+    want = dense_local(q.float(), k.float(), v.float(), window)
+    one_shot = run_sequence(q, k, v, [T], T, table, dtype, attention=kw)
+    tol = 1e-2 if dtype == "bfloat16" else 1e-5
+    torch.testing.assert_close(one_shot.float(), want, rtol=tol, atol=tol)
+    assert not torch.allclose(want, dense(q.float(), k.float(), v.float()), atol=0.1)  # (the mask matters)
+    for chunks, decode_from, others in (([64] * 5, T, 0), ([7, 100, 33] * 4, T, 0), ([250], 250, 0),
+                                        ([17], 17, 5), ([1] * 40 + [200], 240, 2)):
+        got = run_sequence(q, k, v, chunks, decode_from, table, dtype, others, attention=kw)
+        if dtype == "bfloat16":
+            differ = (got != one_shot).flatten(1).any(-1).nonzero().flatten().tolist()
+            assert not differ, f"chunks {chunks[:3]}.., decode from {decode_from}: tokens {differ[:8]} differ"
+        else:
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    # a verify step's rows 70..75 (across the chunk boundary at 72); then layer 1, a full-attention layer
+    cache = make_cache(128, dtype)
+    PagedAttention(cache, slots_for(table, 0, 70), [PrefillChunk(0, 70, 0, torch.tensor(table))], None, D ** -0.5,
+                   **kw)(0, q[:70], k[:70], v[:70])
+    decode = DecodeBatch(torch.tensor([0]), torch.tensor([table]), torch.tensor([76]), torch.tensor([6]))
+    out = PagedAttention(cache, slots_for(table, 70, 6), [], decode, D ** -0.5, **kw)(0, q[70:76], k[70:76], v[70:76])
+    if dtype == "bfloat16":
+        assert torch.equal(out, one_shot[70:76])
+    else:
+        torch.testing.assert_close(out, want[70:76], rtol=tol, atol=tol)
+    two_layers = PagedKVCache(KVLayout("test", dtype, BS, 2, HKV, D), 128)
+    full = PagedAttention(two_layers, slots_for(table, 0, T), [PrefillChunk(0, T, 0, torch.tensor(table))],
+                          None, D ** -0.5, **kw)(1, q, k, v)
+    torch.testing.assert_close(full.float(), dense(q.float(), k.float(), v.float()), rtol=tol, atol=tol)

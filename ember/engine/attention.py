@@ -20,6 +20,12 @@ Two ways to compute it:
   softmax over a row padded with -inf is the same bits if the row length is a multiple of
   the vector width. So calls get at least MIN_ROWS query rows, key counts are padded to a
   multiple of KEY_ALIGN, and probabilities meet values one KEY_ALIGN block at a time.
+
+Chunked local attention (Llama 4's rope layers, `chunks`): in such a layer a query at position p
+sees only the keys of its own chunk, positions [p - p % n, p], in prefill, chunked prefill and
+decode alike. Both recipes mask the keys outside (the same key blocks as a full layer, so the
+batch-invariant recipe keeps its facts); the C++ kernel and the Triton decode do not take the mask,
+so a model with chunked layers runs the torch recipes.
 """
 from __future__ import annotations
 
@@ -94,6 +100,13 @@ class DecodeBatch:
         return bool(self.valid.all())
 
 
+def _visible(keys: torch.Tensor, query_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """[..., n, S] bool: True where the query at query_pos [..., n, 1] sees the key at keys [S] (at or
+    before it; window > 0: also in its own chunk of `window` positions)."""
+    seen = keys <= query_pos
+    return seen & (keys >= query_pos - query_pos % window) if window else seen
+
+
 def _align(n: int) -> int:
     return -(-n // KEY_ALIGN) * KEY_ALIGN
 
@@ -150,9 +163,12 @@ class PagedAttention:
 
     def __init__(self, cache: PagedKVCache, slot_mapping: torch.Tensor,
                  prefills: list[PrefillChunk], decode: DecodeBatch | None, scale: float,
-                 batch_invariant: bool | None = None, kernel: bool | None = None, triton: bool = False):
+                 batch_invariant: bool | None = None, kernel: bool | None = None, triton: bool = False,
+                 chunks: tuple[int, ...] | None = None):
         """batch_invariant: None: on the bf16 path; kernel: the C++ kernel (None: when available);
-        triton: one-token decodes in the Triton kernel (ember.engine.device), the rest in torch."""
+        triton: one-token decodes in the Triton kernel (ember.engine.device), the rest in torch.
+        chunks: per layer, 0 (causal attention over the whole context) or n (chunked local attention:
+        a query sees only the keys of its own chunk of n positions; ModelArgs.attention_chunks)."""
         self.cache = cache
         self.device = cache.kv.device
         self.slot_mapping = slot_mapping
@@ -166,6 +182,9 @@ class PagedAttention:
         self.value_dim = cache.layout.head_dim  # (a latent layer's calls set theirs: fewer columns)
         if self.latent:
             batch_invariant, kernel, triton = False, False, False
+        self.chunks = tuple(chunks) if chunks and any(chunks) else None
+        if self.chunks is not None:  # (neither kernel masks by chunk: the torch recipes do)
+            kernel, triton = False, False
         if triton or self.device.type != "cpu":  # (the batch-invariant recipes are facts of torch's CPU kernels)
             batch_invariant = False
         self.batch_invariant = cache.dtype != torch.float32 if batch_invariant is None else batch_invariant
@@ -187,6 +206,7 @@ class PagedAttention:
             self.decode_mask = (keys[None, None, :] <= decode.positions[:, :, None])[:, None]
             self.decode_hidden = ~self.decode_mask
             self._masks: dict = {}
+            self._local: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # window -> (mask, hidden)
 
     @staticmethod
     def _tiles(prefills: list[PrefillChunk], decode: DecodeBatch | None) -> cpu_attention.Tiles:
@@ -225,34 +245,39 @@ class PagedAttention:
             return cpu_attention.paged_attention(q.contiguous(), k_cache, v_cache, self.tiles, self.scale)
         decode = self._decode_triton if self.triton_decode else self._decode_exact if self.batch_invariant \
             else self._decode
+        window = self.chunks[layer_idx] if self.chunks is not None else 0
         if not self.prefills:  # decode-only step: rows are already in order
-            return decode(q, layer_idx)
+            return decode(q, layer_idx, window)
         prefill = self._prefill_exact if self.batch_invariant else self._prefill
         out = q.new_empty(*q.shape[:2], v.shape[-1])
         for chunk in self.prefills:
             rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
-            out[rows] = prefill(q[rows], k[rows], v[rows], chunk, layer_idx)
+            out[rows] = prefill(q[rows], k[rows], v[rows], chunk, layer_idx, window)
         if self.decode is not None:
-            out[self.decode.flat_rows] = decode(q[self.decode.flat_rows], layer_idx)
+            out[self.decode.flat_rows] = decode(q[self.decode.flat_rows], layer_idx, window)
         return out
 
-    def _prefill(self, q, k, v, chunk: PrefillChunk, layer_idx: int) -> torch.Tensor:
+    def _prefill(self, q, k, v, chunk: PrefillChunk, layer_idx: int, window: int = 0) -> torch.Tensor:
         # q: [n, H, D] -> SDPA wants [1, H, n, D]. With 3-D inputs torch's CPU SDPA falls
         # back to its math path (2.7x slower at 2,048 tokens); 4-D takes the flash kernel.
-        if chunk.context_start == 0:
+        if chunk.context_start == 0 and not window:
             keys, values, mask, causal = k, v, None, True
+        elif chunk.context_start == 0:  # chunked local attention over the chunk's own keys
+            query_pos = torch.arange(chunk.num_tokens, device=self.device)
+            keys, values, mask, causal = k, v, _visible(query_pos, query_pos[:, None], window), False
         else:
             total = chunk.context_start + chunk.num_tokens
             keys, values = (x[0, :total] for x in self._keys_values(self._gather(layer_idx, chunk.block_table[None]),
                                                                      v.shape[-1]))
             query_pos = chunk.context_start + torch.arange(chunk.num_tokens, device=self.device)
-            mask, causal = torch.arange(total, device=self.device)[None, :] <= query_pos[:, None], False  # [n, total]
+            mask = _visible(torch.arange(total, device=self.device), query_pos[:, None], window)  # [n, total]
+            causal = False
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys.transpose(0, 1)[None],
                                              values.transpose(0, 1)[None], attn_mask=mask, is_causal=causal,
                                              scale=self.scale, enable_gqa=True)
         return out[0].transpose(0, 1)
 
-    def _prefill_exact(self, q, k, v, chunk: PrefillChunk, layer_idx: int) -> torch.Tensor:
+    def _prefill_exact(self, q, k, v, chunk: PrefillChunk, layer_idx: int, window: int = 0) -> torch.Tensor:
         n, num_heads, head_dim = q.shape
         if chunk.context_start == 0:  # the chunk's own keys, no gather
             kv = F.pad(torch.stack((k, v)), (0, 0, 0, 0, 0, _align(n) - n))[:, None]
@@ -270,7 +295,10 @@ class PagedAttention:
             first, seen = chunk.context_start + start, _align(chunk.context_start + stop)
             # keys before the tile's first query are seen by all its queries: mask only from there
             query_pos = _pad_rows(torch.arange(first, first + stop - start).repeat_interleave(group)[:, None], MIN_ROWS)
-            hidden = torch.arange(first, seen)[None, :] > query_pos
+            if window:  # chunked: keys before a query's chunk are hidden too, so mask from the first key
+                hidden = ~_visible(torch.arange(seen), query_pos, window)
+            else:
+                hidden = torch.arange(first, seen)[None, :] > query_pos
             tile = _exact_attention(_pad_rows(qg[:, :, rows], MIN_ROWS), keys[:, :, :seen], values[:, :, :seen],
                                     hidden, self.scale)
             out[:, :, rows] = tile[:, :, :rows.stop - rows.start]
@@ -318,7 +346,18 @@ class PagedAttention:
             self._masks[key] = per_row
         return self._masks[key]
 
-    def _decode(self, q: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    def _decode_masks(self, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode rows' (seen, hidden) masks [B, 1, T, S]; window > 0: chunked local attention (a
+        row at position p sees keys [p - p % window, p]). Made once per step and window."""
+        if not window:
+            return self.decode_mask, self.decode_hidden
+        if window not in self._local:
+            keys = torch.arange(self.decode_mask.shape[-1], device=self.device)
+            seen = _visible(keys, self.decode.positions[:, :, None], window)[:, None]
+            self._local[window] = (seen, ~seen)
+        return self._local[window]
+
+    def _decode(self, q: torch.Tensor, layer_idx: int, window: int = 0) -> torch.Tensor:
         # Group the query heads by their KV head: [B, Hkv, T * G, D], so one matmul per KV head
         # serves all its query heads (no K/V repeat).
         num_heads = q.shape[1]
@@ -326,22 +365,22 @@ class PagedAttention:
                                          self.value_dim)  # [B, Hkv, S, D] each
         num_kv_heads = keys.shape[1]
         qg = self._grouped(q, num_kv_heads).to(q.dtype)
-        mask = self._rows_mask(self.decode_mask, num_heads // num_kv_heads, qg.shape[2])
+        mask = self._rows_mask(self._decode_masks(window)[0], num_heads // num_kv_heads, qg.shape[2])
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=mask, scale=self.scale)
         return self._ungrouped(out, num_heads, q.dtype)
 
-    def _decode_triton(self, q: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    def _decode_triton(self, q: torch.Tensor, layer_idx: int, window: int = 0) -> torch.Tensor:
         from ember.kernels.triton_paged_attention import paged_decode_attention  # (imports triton: only here)
         k_cache, v_cache = self.cache.layer(layer_idx)
         return paged_decode_attention(q, k_cache, v_cache, self.triton_tables, self.triton_lens, self.scale)
 
-    def _decode_exact(self, q: torch.Tensor, layer_idx: int) -> torch.Tensor:
+    def _decode_exact(self, q: torch.Tensor, layer_idx: int, window: int = 0) -> torch.Tensor:
         num_heads = q.shape[1]
         serial = self.decode_mask.numel() <= SERIAL_KEYS
         with _threads(1) if serial else nullcontext():
             keys, values = _heads_fp32(self._gather(layer_idx, self.decode_tables))  # [B, Hkv, S, D] each
             num_kv_heads = keys.shape[1]
             qg = self._grouped(q, num_kv_heads, MIN_ROWS)
-            hidden = self._rows_mask(self.decode_hidden, num_heads // num_kv_heads, qg.shape[2])
+            hidden = self._rows_mask(self._decode_masks(window)[1], num_heads // num_kv_heads, qg.shape[2])
             out = _exact_attention(qg, keys, values, hidden, self.scale)
         return self._ungrouped(out, num_heads, q.dtype)

@@ -93,7 +93,8 @@ class ModelRunner:
                                      decode.context_lens.to(device), decode.query_lens.to(device))
         backend = self.attention_backend
         return PagedAttention(self.cache, self.tensor(inputs.slots), prefills, decode, self.scale,
-                              kernel=False if backend == "torch" else None, triton=backend == "triton")
+                              kernel=False if backend == "torch" else None, triton=backend == "triton",
+                              chunks=self.model.args.attention_chunks)
 
     def tensor(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, device=self.device)

@@ -3,8 +3,9 @@ derived values read it without loading the model).
 
 One `ModelArgs` describes every family Ember serves: the dense Llama decoder and its variants
 (ember.model.families names them by `architectures`), with optional parts: QK-norm (Qwen3),
-Multi-head Latent Attention (`mla`, DeepSeek-V3 / Kimi K2.5), mixture-of-experts MLPs (`moe`)
-and yarn rope scaling (`rope_scaling`)."""
+Multi-head Latent Attention (`mla`, DeepSeek-V3 / Kimi K2.5), mixture-of-experts MLPs (`moe`),
+yarn or llama3 rope scaling (`rope_scaling`), and Llama 4's per-layer attention (NoPE layers,
+chunked local attention, L2 QK-norm, attention temperature)."""
 from __future__ import annotations
 
 import json
@@ -40,7 +41,9 @@ class MoEArgs:
     top_k: int
     intermediate_size: int  # of each routed expert
     layers: tuple[bool, ...]  # per decoder layer: True where its MLP is the MoE block
-    router: str = "softmax"  # "softmax" (Qwen3-MoE: softmax, top-k) or "sigmoid" (DeepSeek-V3: sigmoid + bias, groups)
+    # "softmax" (Qwen3-MoE: softmax, top-k), "sigmoid" (DeepSeek-V3: sigmoid + bias, groups) or "llama4"
+    # (top-k of the logits, sigmoid of the chosen; each routed expert's input is scaled by its score)
+    router: str = "softmax"
     norm_topk_prob: bool = True  # renormalise the chosen experts' weights to sum to 1
     num_groups: int = 1  # sigmoid router: experts in groups, only `topk_groups` groups are candidates
     topk_groups: int = 1
@@ -51,8 +54,10 @@ class MoEArgs:
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """Yarn (the one scaled rope the families here use): frequencies interpolated between the
-    original and `factor`-times-longer wavelengths, cos/sin scaled by attention_factor."""
+    """A scaled rope. kind "yarn" (DeepSeek-V3 / Kimi K2.5): frequencies interpolated between the
+    original and `factor`-times-longer wavelengths, cos/sin scaled by attention_factor. kind "llama3"
+    (Llama 3.1 / Llama 4): wavelengths past original_max_position / low_freq_factor divided by
+    `factor`, those under original_max_position / high_freq_factor kept, the band between smoothed."""
     factor: float
     original_max_position: int
     beta_fast: float = 32.0
@@ -61,6 +66,9 @@ class RopeScaling:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    kind: str = "yarn"
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
 
 
 @dataclass(frozen=True)
@@ -83,6 +91,18 @@ class ModelArgs:
     mla: MLAArgs | None = None
     moe: MoEArgs | None = None
     rope_scaling: RopeScaling | None = field(default=None)
+    # Llama 4's per-layer attention (None / False / 0: every layer as above)
+    rope_layers: tuple[bool, ...] | None = None  # per layer: False for a NoPE layer (no rotation at all)
+    rope_interleave: bool = False  # rope over interleaved pairs (x0, x1), (x2, x3), ... (Llama 4's complex form)
+    attention_chunks: tuple[int, ...] | None = None  # per layer: n > 0: a query sees only keys in its own n-chunk
+    qk_l2_norm: bool = False  # rope layers: q and k L2-normalised per head (no weight) after rope
+    # NoPE layers: q scaled by log1p(floor((position + 1) / floor_scale)) * attn_scale + 1
+    attn_temperature: tuple[float, float] | None = None  # (floor_scale, attn_scale)
+    weights_prefix: str = ""  # the text model's names under a multimodal wrapper ("language_model.")
+    mlp_name: str = "mlp"  # each layer's MLP in the checkpoint (Llama 4: "feed_forward")
+
+    def uses_rope(self, layer_idx: int) -> bool:
+        return self.rope_layers is None or bool(self.rope_layers[layer_idx])
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelArgs:

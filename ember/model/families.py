@@ -23,6 +23,11 @@ def _rope(cfg: dict, allowed: tuple[str, ...] = ("default",)) -> tuple[float, Ro
                          f"(supported: {', '.join(allowed)})")
     if kind == "default":
         return theta, None
+    if kind == "llama3":
+        return theta, RopeScaling(
+            factor=float(params["factor"]), original_max_position=int(params["original_max_position_embeddings"]),
+            kind="llama3", low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]))
     return theta, RopeScaling(
         factor=float(params["factor"]),
         original_max_position=int(params.get("original_max_position_embeddings")
@@ -118,14 +123,61 @@ def deepseek_v3(cfg: dict) -> ModelArgs:
                  head_dim=mla.qk_head_dim)
 
 
+def llama4(cfg: dict) -> ModelArgs:
+    """Llama 4's text model (Llama4ForCausalLM; Llama4ForConditionalGeneration's `text_config`, its
+    tensors under `language_model.`, the vision tower not read): MoE every `interleave_moe_layer_step`
+    layers (or `moe_layers`), a top-k sigmoid router scaling each routed expert's input and a shared
+    expert; the dense layers' MLP of `intermediate_size_mlp`. NoPE layers (`no_rope_layers` 0) attend
+    over the whole causal context with temperature tuning; rope layers (interleaved pairs, llama3
+    scaling) attend within chunks of `attention_chunk_size` positions, with L2 QK-norm."""
+    wrapper = "text_config" in cfg
+    _refuse(cfg, quantization_config=None)
+    if wrapper:
+        cfg = {"architectures": cfg.get("architectures"), **cfg["text_config"]}
+    _check_act(cfg)
+    _refuse(cfg, attention_bias=False, quantization_config=None)
+    n = cfg["num_hidden_layers"]
+    rope = cfg.get("no_rope_layers") or [int((i + 1) % cfg.get("no_rope_layer_interval", 4) != 0) for i in range(n)]
+    rope = tuple(bool(r) for r in rope[:n])  # (the list may be longer than the layers)
+    chunk = cfg.get("attention_chunk_size", 8192)
+    types = cfg.get("layer_types") or ["chunked_attention" if r and chunk is not None else "full_attention"
+                                       for r in rope]
+    unknown = sorted(set(types) - {"chunked_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"config.json sets layer_types {unknown}, which Ember does not serve for Llama 4 "
+                         "(full_attention and chunked_attention only)")
+    if "chunked_attention" in types and not chunk:
+        raise ValueError("config.json has chunked_attention layers but no attention_chunk_size")
+    chunks = tuple(int(chunk) if t == "chunked_attention" else 0 for t in types[:n])
+    step = cfg.get("interleave_moe_layer_step", 1)
+    moe_layers = cfg.get("moe_layers")
+    moe_layers = set(range(step - 1, n, step) if moe_layers is None else moe_layers)
+    experts = cfg.get("num_local_experts", 16)
+    layers = tuple(i in moe_layers and experts > 0 for i in range(n))
+    moe = MoEArgs(num_experts=experts, top_k=cfg.get("num_experts_per_tok", 1),
+                  intermediate_size=cfg["intermediate_size"], layers=layers, router="llama4",
+                  norm_topk_prob=False, shared_intermediate_size=cfg["intermediate_size"])
+    temperature = None
+    if cfg.get("attn_temperature_tuning", True) and not all(rope):
+        temperature = (float(cfg.get("floor_scale", 8192)), float(cfg.get("attn_scale", 0.1)))
+    return _base(cfg, "llama4", allowed_rope=("default", "llama3"), moe=moe if any(layers) else None,
+                 intermediate_size=cfg.get("intermediate_size_mlp", 16384), rope_layers=rope, rope_interleave=True,
+                 attention_chunks=chunks if any(chunks) else None, qk_l2_norm=bool(cfg.get("use_qk_norm", True)),
+                 attn_temperature=temperature, weights_prefix="language_model." if wrapper else "",
+                 mlp_name="feed_forward")
+
+
 FAMILIES: dict[str, Callable[[dict], ModelArgs]] = {
     "LlamaForCausalLM": llama,
     "Qwen3ForCausalLM": qwen3,
     "Qwen3MoeForCausalLM": qwen3_moe,
     "DeepseekV3ForCausalLM": deepseek_v3,
+    "Llama4ForCausalLM": llama4,
+    "Llama4ForConditionalGeneration": llama4,  # its text model (the vision tower is not served)
 }
 MODEL_TYPES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-               "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k25": "DeepseekV3ForCausalLM"}
+               "deepseek_v3": "DeepseekV3ForCausalLM", "kimi_k25": "DeepseekV3ForCausalLM",
+               "llama4_text": "Llama4ForCausalLM", "llama4": "Llama4ForConditionalGeneration"}
 
 
 def architecture_of(cfg: dict) -> str:

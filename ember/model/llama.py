@@ -1,6 +1,8 @@
 """The decoder every family shares (RMSNorm, rope, SwiGLU), with the parts a family's config picks:
-grouped-query attention (with Qwen3's QK-norm) or latent attention (ember.model.mla), and per layer
-a dense MLP or a mixture of experts (ember.model.moe). ember.model.families reads which.
+grouped-query attention (with Qwen3's QK-norm; per layer, Llama 4's NoPE layers, interleaved rope,
+L2 QK-norm and attention temperature) or latent attention (ember.model.mla), and per layer a dense
+MLP or a mixture of experts (ember.model.moe). ember.model.families reads which. (Llama 4's chunked
+local attention is the Attend's: ember.engine.attention.)
 
 The model never touches the KV cache itself: attention over cached context is done by
 an `Attend` callable handed in per forward, so paging, kernels and batching live
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.model.args import PRESETS, ModelArgs  # noqa: F401  (re-exported)
-from ember.model.rope import apply_rope, rope_cos_sin  # noqa: F401  (re-exported)
+from ember.model.rope import apply_rope, apply_rope_interleaved, rope_cos_sin  # noqa: F401  (re-exported)
 
 
 class Attend(Protocol):
@@ -63,11 +65,19 @@ class Checkpoint:
         return name in self.tensors
 
 
+def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each row of x over its last dim scaled to unit RMS, no weight (Llama 4's QK-norm), in fp32."""
+    h = x.float()
+    return (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).type_as(x)
+
+
 class Attention(nn.Module):
     """Grouped-query attention, q/k/v fused in one projection; qk_norm: RMSNorm over each head of
-    q and k before rope (Qwen3)."""
+    q and k before rope (Qwen3). Llama 4, per layer: a rope layer rotates interleaved pairs and
+    L2-normalises q and k after; a NoPE layer does not rotate and scales q by the step's
+    `temperature` (per token, from its position)."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer_idx: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         q_size, kv_size = args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
@@ -75,9 +85,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, args.hidden_size, bias=False)
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.rope = args.uses_rope(layer_idx)
+        self.rotate = apply_rope_interleaved if args.rope_interleave else apply_rope
+        self.l2_eps = args.rms_norm_eps if args.qk_l2_norm and self.rope else None
+        self.tempered = not self.rope and args.attn_temperature is not None
         self.reduce = None  # tensor parallel: the all-reduce of o_proj's partial sums (set_tensor_parallel)
 
-    def forward(self, x, cos, sin, attend: Attend, layer_idx: int) -> torch.Tensor:
+    def forward(self, x, cos, sin, attend: Attend, layer_idx: int, temperature=None) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x).view(num_tokens, -1, self.head_dim)
         heads = self.num_heads + self.num_kv_heads
@@ -85,8 +99,13 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             qk = torch.cat((self.q_norm(qk[:, :self.num_heads]), self.k_norm(qk[:, self.num_heads:])), dim=1)
         # rotate q and k heads in one go: [T, num_heads + num_kv_heads, D]
-        qk = apply_rope(qk, cos, sin).to(x.dtype)
+        if self.rope:
+            qk = self.rotate(qk, cos, sin).to(x.dtype)
+        if self.l2_eps is not None:
+            qk = l2_norm(qk, self.l2_eps)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        if self.tempered:
+            q = (q * temperature[:, None, None]).to(x.dtype)
         v = qkv[:, heads:]
         out = self.o_proj(attend(layer_idx, q, k, v).reshape(num_tokens, -1))
         return out if self.reduce is None else self.reduce(out)
@@ -129,7 +148,7 @@ class DecoderLayer(nn.Module):
             from ember.model.mla import LatentAttention
             self.self_attn = LatentAttention(args)
         else:
-            self.self_attn = Attention(args)
+            self.self_attn = Attention(args, layer_idx)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         if args.moe is not None and args.moe.layers[layer_idx]:
             from ember.model.moe import MoE
@@ -137,8 +156,9 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(args.hidden_size, args.intermediate_size)
 
-    def forward(self, x, cos, sin, attend: Attend, layer_idx: int) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, layer_idx)
+    def forward(self, x, cos, sin, attend: Attend, layer_idx: int, **step) -> torch.Tensor:
+        """step: what a family's attention takes per step beside rope (Llama 4: `temperature`)."""
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, layer_idx, **step)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -188,12 +208,16 @@ class LlamaModel(nn.Module):
     def forward_layers(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         """The decoder layers alone (a pipeline stage runs these on the hidden states it receives)."""
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        step = {}
+        if self.args.attn_temperature is not None:  # Llama 4's NoPE layers: q scaled by position, fp32
+            floor_scale, attn_scale = self.args.attn_temperature
+            step["temperature"] = torch.log1p(torch.floor((positions.float() + 1.0) / floor_scale)) * attn_scale + 1.0
         small_step = self.small_step if x.shape[0] <= self.small_step_rows else None
         for layer_idx, layer in enumerate(self.layers):
             if small_step is not None:
-                x = small_step(layer, x, cos, sin, attend, layer_idx)
+                x = small_step(layer, x, cos, sin, attend, layer_idx, **step)
             else:
-                x = layer(x, cos, sin, attend, layer_idx)
+                x = layer(x, cos, sin, attend, layer_idx, **step)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -209,16 +233,17 @@ class LlamaModel(nn.Module):
         Consumes `tensors` (entries are popped as they are used)."""
         take = Checkpoint(tensors)
         own = {}
-        own["embed_tokens.weight"] = take("model.embed_tokens.weight")
-        own["norm.weight"] = take("model.norm.weight")
+        top = self.args.weights_prefix  # a multimodal wrapper's text model: its names under this
+        own["embed_tokens.weight"] = take(top + "model.embed_tokens.weight")
+        own["norm.weight"] = take(top + "model.norm.weight")
         if self.lm_head is not None:
-            own["lm_head.weight"] = take("lm_head.weight")
+            own["lm_head.weight"] = take(top + "lm_head.weight")
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
+            p = f"{top}model.layers.{i}."
             own[f"layers.{i}.input_layernorm.weight"] = take(p + "input_layernorm.weight")
             own[f"layers.{i}.post_attention_layernorm.weight"] = take(p + "post_attention_layernorm.weight")
-            for part in ("self_attn", "mlp"):
+            for part, name in (("self_attn", "self_attn"), ("mlp", self.args.mlp_name)):
                 module = getattr(layer, part)
                 kw = {"linears": linears} if isinstance(module, (Attention, MLP)) else {}
-                own |= {f"layers.{i}.{part}.{k}": v for k, v in module.hf_weights(take, f"{p}{part}.", **kw).items()}
+                own |= {f"layers.{i}.{part}.{k}": v for k, v in module.hf_weights(take, f"{p}{name}.", **kw).items()}
         self.load_state_dict(own, strict=True, assign=True)
