@@ -8,7 +8,6 @@ expert) with layers and widths scaled down, and the default model's tokenizer be
 loads the folder as it would a real checkpoint and transformers is the reference."""
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 COMMON = dict(vocab_size=49152, hidden_size=64, num_attention_heads=4, num_hidden_layers=4, rms_norm_eps=1e-6,
@@ -48,23 +47,6 @@ CONFIGS = {
 
 def build(kind: str, folder: Path, tokenizer_folder: Path, seed: int = 0) -> Path:
     """A random `kind` checkpoint saved with save_pretrained in `folder` (made once: kept if there)."""
-    import torch
-    import transformers
-    if (folder / "config.json").exists():
-        return folder
+    from ember.bench.random_models import save_random
     cls, fields = CONFIGS[kind]
-    config = getattr(transformers, cls)(**(COMMON | fields))
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():  # a correction bias that steers (it is zeros at init)
-        for name, buffer in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                buffer.normal_(0.0, 0.05)
-    tmp = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        if (tokenizer_folder / name).exists():
-            shutil.copy(tokenizer_folder / name, tmp / name)
-    tmp.rename(folder)
-    return folder
+    return save_random(cls, COMMON | fields, folder, tokenizer_folder, seed)

@@ -55,6 +55,8 @@ def pack_linears(model: nn.Module) -> bool:
         return False  # nothing to pack, or this CPU cannot: F.linear stays
     for parent, name in targets:
         setattr(parent, name, PackedLinear(getattr(parent, name).weight))
+    for moe in [m for m in model.modules() if hasattr(m, "pack_experts")]:  # ember.model.moe.MoE
+        moe.pack_experts(PackedLinear)
     if tied:  # tied embeddings: pack a copy for the logits
         model.lm_head = PackedLinear(model.embed_tokens.weight)
         # packing read every row; lookups need few, so hand the pages back if mapped

@@ -5,7 +5,9 @@ read once per step (decode reads the active experts' bytes, not all of them), an
 token's slots in its own fixed order (slot 0, 1, ...): a token's output does not depend on which
 other tokens share its step, so a request gives the same tokens alone and batched, before and
 after a migration. An expert's rows are padded to at least MIN_ROWS (torch's CPU matmul takes
-another kernel for fewer rows; ember.engine.attention measured the same fact).
+another kernel for fewer rows; ember.engine.attention measured the same fact) unless the experts are
+packed for oneDNN (`pack_experts`, on CPU), whose kernel gives a row the same bits at any row count
+(checked for 1-63 rows in fp32 and bf16; the dense layers' PackedLinears rely on the same fact).
 
 Expert parallelism (ember.parallel.expert_parallel): a rank holds only its `local_experts` and every
 token (attention is replicated); it computes the slots routed to its experts, leaves the others
@@ -71,6 +73,7 @@ class MoE(nn.Module):
         self.num_experts, self.top_k, self.intermediate_size = m.num_experts, m.top_k, m.intermediate_size
         self.first, self.last = m.local_experts or (0, m.num_experts)  # the experts this rank holds
         self.reduce = None  # expert parallelism: sums the ranks' slots (set_expert_parallel)
+        self.packed = None  # per local expert (gate_up, down) in a packed layout (pack_experts)
         local = self.last - self.first
         # the sigmoid router scores in fp32 whatever the serving dtype (as its checkpoints are kept)
         # (a plain parameter, not a Linear: the CPU kernels pack Linears, and the router's weight is read as is)
@@ -119,11 +122,16 @@ class MoE(nn.Module):
             if start == end:
                 continue
             part = rows[start:end]
-            if end - start < MIN_ROWS:
+            if end - start < MIN_ROWS and self.packed is None:  # (oneDNN's packed kernel needs no padding)
                 part = F.pad(part, (0, 0, 0, MIN_ROWS - (end - start)))
             local = expert - self.first
-            gate, up = F.linear(part, self.gate_up[local]).chunk(2, dim=-1)
-            out[start:end] = F.linear(F.silu(gate) * up, self.down[local])[:end - start]
+            if self.packed is not None:
+                gate_up, down = self.packed[local]
+                gate, up = gate_up(part).chunk(2, dim=-1)
+                out[start:end] = down(F.silu(gate) * up)[:end - start]
+            else:
+                gate, up = F.linear(part, self.gate_up[local]).chunk(2, dim=-1)
+                out[start:end] = F.linear(F.silu(gate) * up, self.down[local])[:end - start]
         slots = torch.empty_like(out)
         slots[order] = out  # back to (token, slot) order
         if sharded:  # every other rank's slots, each one rank's value plus zeros
@@ -140,6 +148,21 @@ class MoE(nn.Module):
 
     def set_expert_parallel(self, reduce) -> None:
         self.reduce = reduce
+
+    def pack_experts(self, make) -> None:
+        """Each local expert's two linears in `make`'s layout (ember.kernels.cpu_linear.PackedLinear:
+        oneDNN's blocked weights, ~1.5x F.linear at a decode step's few rows, the same bits); the
+        stacked copies are freed."""
+        self._expert_bytes = self.expert_bytes()
+        self.packed = [(make(self.gate_up[e]), make(self.down[e])) for e in range(self.last - self.first)]
+        self.gate_up = nn.Parameter(self.gate_up.new_empty(0, *self.gate_up.shape[1:]), requires_grad=False)
+        self.down = nn.Parameter(self.down.new_empty(0, *self.down.shape[1:]), requires_grad=False)
+
+    def expert_bytes(self) -> int:
+        """Bytes of the routed experts this module holds (packed or stacked)."""
+        if self.packed is not None:
+            return self._expert_bytes
+        return sum(p.numel() * p.element_size() for p in (self.gate_up, self.down))
 
     def hf_weights(self, take, prefix: str) -> dict[str, torch.Tensor]:
         """This block's tensors from a checkpoint's names (`take(name)` pops one): the router

@@ -36,8 +36,7 @@ from ember.parallel.tensor_parallel import ParallelRunner, RankPart, model_args
 def expert_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of the routed experts this rank holds (its MoE layers' gate_up and down)."""
     from ember.model.moe import MoE
-    return sum(p.numel() * p.element_size() for m in model.modules() if isinstance(m, MoE)
-               for p in (m.gate_up, m.down))
+    return sum(m.expert_bytes() for m in model.modules() if isinstance(m, MoE))
 
 
 class ExpertRank(RankPart):
