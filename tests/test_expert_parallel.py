@@ -123,7 +123,38 @@ def test_a_killed_expert_rank_fails_the_engine_within_its_timeout_not_a_hang(che
     assert_a_killed_rank_fails_the_engine(engine(checkpoints["qwen3_moe"], expert_parallel=2), PROMPTS[0])
 
 
-def test_expert_parallel_does_not_combine_with_tensor_or_pipeline_parallel_yet(checkpoints):
-    with pytest.raises(ValueError, match="does not combine"):
-        engine(checkpoints["qwen3_moe"], expert_parallel=2, pipeline_parallel=2)
+@pytest.mark.parametrize("kind, layout", [("deepseek_v3", dict(expert_parallel=2, pipeline_parallel=2)),
+                                          ("llama4", dict(pipeline_parallel=2))])
+def test_expert_parallel_x_pipeline_parallel_gives_ep1_tokens_and_exchanges_blocks(kind, layout, checkpoints):
+    """Each stage a group of expert-parallel ranks (DeepSeek-V3's structure: its dense first layer in
+    stage 0, latent KV layers split over the stages), or a family's stages alone (Llama 4: its NoPE
+    and chunked layers renumbered per stage): EP = 1's tokens, and the same blocks' bytes."""
+    from ember.kv import wire
+    from ember.kv.block_hash import chain_hashes
+    one = engine(checkpoints[kind])
+    ids = prompts(one)
+    want = one.generate(ids, SamplingParams(max_tokens=STEPS, ignore_eos=True))
+    bs = one.config.block_size
+    hashes = chain_hashes(ids[-1][:len(ids[-1]) // bs * bs], bs, one.block_manager.root_hash)
+    fresh = ids[0] + ids[1]  # a prompt only `one` has seen: its blocks go into every stage
+    [fresh_want] = one.generate([fresh], SamplingParams(max_tokens=STEPS, ignore_eos=True))
+    fresh_hashes = chain_hashes(fresh[:len(fresh) // bs * bs], bs, one.block_manager.root_hash)
+    split = engine(checkpoints[kind], **layout)
+    try:
+        assert "pipeline-parallel-2" in split.kernels[-1]
+        got = split.generate(ids, SamplingParams(max_tokens=STEPS, ignore_eos=True))
+        assert [o.token_ids for o in got] == [o.token_ids for o in want]
+        assert split.export_frames(hashes) == one.export_frames(hashes)  # whole-model blocks, every stage's layers
+        payloads = [wire.decode_frame(f, split.frame_template, block_hash=h)
+                    for h, f in zip(fresh_hashes, one.export_frames(fresh_hashes))]
+        assert split.import_blocks(fresh, fresh_hashes, payloads) == len(fresh_hashes)
+        [from_blocks] = split.generate([fresh], SamplingParams(max_tokens=STEPS, ignore_eos=True))
+        assert from_blocks.cached_tokens == len(fresh_hashes) * bs and from_blocks.token_ids == fresh_want.token_ids
+    finally:
+        split.close()
+
+
+def test_expert_parallel_does_not_combine_with_tensor_parallel_yet(checkpoints):
+    with pytest.raises(ValueError, match="does not combine with tensor_parallel"):
+        engine(checkpoints["qwen3_moe"], expert_parallel=2, tensor_parallel=2)
     assert torch.distributed.is_available()

@@ -207,9 +207,10 @@ def test_llama4_refuses_what_it_does_not_serve(checkpoints):
                          ({"hidden_act": "gelu"}, "hidden_act")):
         with pytest.raises(ValueError, match=name):
             args_from_config(cfg | change)
-    with pytest.raises(ValueError, match="weights: dense"):  # int4 / tensor / pipeline parallel: the Llama family
-        from ember.model.loader import load_model
-        load_model(checkpoints["llama4"], "float32", "dense", layers=(0, 2))
+    from ember.model.loader import load_model
+    from ember.parallel.shard import plan
+    with pytest.raises(ValueError, match="weights: dense"):  # int4 / tensor parallel: the Llama family
+        load_model(checkpoints["llama4"], "float32", "dense", shard=plan(read_model_args(checkpoints["llama4"]), 2)[0])
 
 
 def test_an_unknown_architecture_is_refused_naming_those_served():
@@ -221,8 +222,12 @@ def test_a_family_model_refuses_what_it_cannot_be_served_with(checkpoints):
     from ember.model.loader import load_model
     with pytest.raises(ValueError, match="not a GGUF"):  # q4 serves a GGUF's codes: a folder has none
         load_model(checkpoints["qwen3"], "bfloat16", "q4")
-    with pytest.raises(ValueError, match="weights: dense on one rank"):  # a pipeline stage of a MoE model
-        load_model(checkpoints["qwen3_moe"], "float32", "dense", layers=(0, 2))
+    from ember.parallel.shard import plan
+    args = read_model_args(checkpoints["qwen3_moe"])
+    with pytest.raises(ValueError, match="int4 and tensor parallelism serve the Llama family"):  # a TP shard
+        load_model(checkpoints["qwen3_moe"], "float32", "dense", shard=plan(args, 2)[0])
+    stage = load_model(checkpoints["qwen3_moe"], "float32", "dense", layers=(1, 3))  # a pipeline stage: served
+    assert stage.model.args.num_layers == 2 and stage.model.args.moe.layers == (True, True)
     cfg = json.loads((checkpoints["qwen3"] / "config.json").read_text()) | {"use_sliding_window": True}
     with pytest.raises(ValueError, match="use_sliding_window"):
         args_from_config(cfg)

@@ -65,8 +65,9 @@ class LLMEngine:
         self.config = config
         # ranks load their parts (ember.parallel)
         parallel = config.tensor_parallel > 1 or config.pipeline_parallel > 1 or config.expert_parallel > 1
-        if config.expert_parallel > 1 and (config.tensor_parallel > 1 or config.pipeline_parallel > 1):
-            raise ValueError("expert_parallel does not combine with tensor_parallel or pipeline_parallel yet")
+        if config.expert_parallel > 1 and config.tensor_parallel > 1:
+            raise ValueError("expert_parallel does not combine with tensor_parallel yet (it does with "
+                             "pipeline_parallel: each stage a group of expert-parallel ranks)")
         if config.pipeline_parallel == 1 and (config.pipeline_partition or config.pipeline_microbatches):
             raise ValueError("pipeline_partition and pipeline_microbatches need pipeline_parallel > 1")
         if parallel and loaded is not None:
@@ -84,14 +85,16 @@ class LLMEngine:
             self.loaded.model.to(torch.device(config.device))  # (its weights were read into host memory)
         num_blocks = config.num_kv_blocks or config.pool_bytes() // self.layout.block_bytes
         if parallel:
-            if config.expert_parallel > 1:
-                from ember.parallel.expert_parallel import ExpertParallelRunner as Runner
-                name = f"expert-parallel-{config.expert_parallel}"
-            elif config.pipeline_parallel > 1:  # (each stage a group of tensor_parallel ranks)
+            if config.pipeline_parallel > 1:  # (each stage a group of tensor- or expert-parallel ranks)
                 from ember.parallel.pipeline_parallel import PipelineParallelRunner as Runner
                 name = f"pipeline-parallel-{config.pipeline_parallel}"
                 if config.tensor_parallel > 1:
                     name = f"tensor-parallel-{config.tensor_parallel}-x-{name}"
+                if config.expert_parallel > 1:
+                    name = f"expert-parallel-{config.expert_parallel}-x-{name}"
+            elif config.expert_parallel > 1:
+                from ember.parallel.expert_parallel import ExpertParallelRunner as Runner
+                name = f"expert-parallel-{config.expert_parallel}"
             else:
                 from ember.parallel.tensor_parallel import TensorParallelRunner as Runner
                 name = f"tensor-parallel-{config.tensor_parallel}"

@@ -9,7 +9,7 @@ chunked local attention, L2 QK-norm, attention temperature)."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 
@@ -100,6 +100,15 @@ class ModelArgs:
     attn_temperature: tuple[float, float] | None = None  # (floor_scale, attn_scale)
     weights_prefix: str = ""  # the text model's names under a multimodal wrapper ("language_model.")
     mlp_name: str = "mlp"  # each layer's MLP in the checkpoint (Llama 4: "feed_forward")
+
+    def for_layers(self, first: int, last: int) -> ModelArgs:
+        """The shape of decoder layers [first, last) alone, renumbered from 0 (a pipeline stage): every
+        per-layer field sliced with them."""
+        def cut(per_layer):
+            return None if per_layer is None else tuple(per_layer[first:last])
+        moe = None if self.moe is None else replace(self.moe, layers=cut(self.moe.layers))
+        return replace(self, num_layers=last - first, moe=moe, rope_layers=cut(self.rope_layers),
+                       attention_chunks=cut(self.attention_chunks))
 
     def uses_rope(self, layer_idx: int) -> bool:
         return self.rope_layers is None or bool(self.rope_layers[layer_idx])

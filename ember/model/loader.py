@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -45,10 +45,9 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense",
     folder = ensure_gguf_cache(path) if path.suffix == ".gguf" else path
     args = ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
     experts_only = shard is not None and hasattr(shard, "experts")  # expert parallelism (ExpertShard)
-    if args.family != "llama" and (weights != "dense" or (shard is not None and not experts_only)
-                                   or layers is not None):
-        raise ValueError(f"a {args.family} model is served with weights: dense on one rank or expert parallel "
-                         f"for now (int4 and tensor/pipeline parallelism serve the Llama family)")
+    if args.family != "llama" and (weights != "dense" or (shard is not None and not experts_only)):
+        raise ValueError(f"a {args.family} model is served with weights: dense, on one rank, expert or pipeline "
+                         f"parallel, for now (int4 and tensor parallelism serve the Llama family)")
     torch_dtype = DTYPES[dtype]
     packs = _cached_packs(path) if weights == "q4" and shard is None and layers is None else None
     tensors = {}
@@ -64,13 +63,14 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense",
     weights_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
     local = args if shard is None else shard.local_args(args)
     if layers is not None:
-        local = replace(local, num_layers=layers[1] - layers[0])
+        local = local.for_layers(*layers)
     with _skip_weight_init():
         model = LlamaModel(local)
     if layers is not None:  # a stage without the embedding or the output layer holds zero rows of them
-        if tensors.get("model.embed_tokens.weight", torch.empty(1)).shape[0] == 0:
+        if tensors.get(args.weights_prefix + "model.embed_tokens.weight", torch.empty(1)).shape[0] == 0:
             model.embed_tokens = nn.Embedding(0, args.hidden_size)
-        if model.lm_head is not None and tensors.get("lm_head.weight", torch.empty(1)).shape[0] == 0:
+        if model.lm_head is not None and \
+                tensors.get(args.weights_prefix + "lm_head.weight", torch.empty(1)).shape[0] == 0:
             model.lm_head = nn.Linear(args.hidden_size, 0, bias=False)
     if packs is not None:
         weights_bytes = _use_packed_int4(model, packs, tensors)
@@ -108,17 +108,20 @@ def _read_part(file: Path, dtype: torch.dtype, args: ModelArgs, shard, layers: t
     from ember.parallel.shard import tensor_slice
     first, last = layers if layers is not None else (0, args.num_layers)
     needs_embedding = first == 0 or (last == args.num_layers and args.tie_word_embeddings)
+    top = args.weights_prefix  # a multimodal wrapper's text model: only its names, under this prefix
     tensors = {}
     with safe_open(str(file), framework="pt") as f:
         for name in f.keys():
-            name_here = name
-            if name.startswith("model.layers."):
-                index = int(name.split(".")[2])
+            if not name.startswith(top):
+                continue  # (the wrapper's vision tower and projector)
+            bare, name_here = name[len(top):], name
+            if bare.startswith("model.layers."):
+                index = int(bare.split(".")[2])
                 if not first <= index < last:
                     continue
-                name_here = f"model.layers.{index - first}." + name.split(".", 3)[3]
-            elif (name == "model.embed_tokens.weight" and not needs_embedding) or \
-                    (name == "lm_head.weight" and last != args.num_layers):
+                name_here = f"{top}model.layers.{index - first}." + bare.split(".", 3)[3]
+            elif (bare == "model.embed_tokens.weight" and not needs_embedding) or \
+                    (bare == "lm_head.weight" and last != args.num_layers):
                 tensors[name] = torch.empty(0, args.hidden_size, dtype=dtype)
                 continue
             part = f.get_slice(name)

@@ -30,7 +30,7 @@ from ember.engine.model_runner import ModelRunner, StepInputs
 from ember.engine.scheduler import ScheduledBatch
 from ember.kv.block_hash import KVLayout
 from ember.parallel import group
-from ember.parallel.shard import plan
+from ember.parallel.shard import plan, plan_experts
 from ember.parallel.tensor_parallel import ParallelRunner, RankPart, ShardedKVCache, model_args
 from ember.parallel.tensor_parallel import measure_costs as tp_costs
 from ember.util.timing import median_time
@@ -93,9 +93,11 @@ def measure_costs(args, dtype: torch.dtype, rows: int, reps: int = 5) -> dict[st
 
 class StageRank(RankPart):
     """One rank of a stage: the stage's layers (its tensor-parallel shard of them when the stage is a
-    group of `tp` ranks), those layers of the KV cache; its methods are the commands. Rank r is
-    stage r // tp, tensor-parallel rank r % tp; each talks to the same tensor-parallel rank of the
-    next stage (all of a stage's ranks hold the whole hidden state after its all-reduces)."""
+    group of `tp` ranks; under expert parallelism, its experts of them and a replica of the rest),
+    those layers of the KV cache; its methods are the commands. Rank r is stage r // tp, rank r % tp
+    of its stage's group (`tp`: the group's size, tensor- or expert-parallel); each talks to the same
+    rank of the next stage (all of a stage's ranks hold the whole hidden state after its all-reduces).
+    Under expert parallelism only the last stage's first rank computes and sends the logits."""
 
     def __init__(self, config, rank: int, tp: int, bounds: list[tuple[int, int]], shards: list,
                  layout: KVLayout, num_blocks: int):
@@ -105,6 +107,8 @@ class StageRank(RankPart):
         self.stage, tp_rank = divmod(rank, tp)
         self.first, self.last = self.stage == 0, self.stage == len(bounds) - 1
         self.shard = shards[tp_rank]
+        experts = self.shard is not None and hasattr(self.shard, "experts")  # an ExpertShard, not a RankShard
+        self.sends_logits = self.last and (not experts or tp_rank == 0)
         # every rank makes every stage's tensor-parallel group, in the same order (dist.new_group's rule)
         stage_groups = [dist.new_group([s * tp + t for t in range(tp)]) for s in range(len(bounds))] if tp > 1 \
             else []
@@ -112,14 +116,20 @@ class StageRank(RankPart):
         self.loaded = load_model(config.model, config.dtype, config.weights, shard=self.shard,
                                  layers=bounds[self.stage])
         self.model = self.loaded.model
-        if self.shard is not None:
+        if experts:
+            from ember.model.moe import MoE
+            for module in self.model.modules():
+                if isinstance(module, MoE):
+                    module.set_expert_parallel(partial(group.all_reduce, ranks=stage_groups[self.stage]))
+        elif self.shard is not None:
             self.model.set_tensor_parallel(partial(group.all_reduce, ranks=stage_groups[self.stage]),
                                            self.shard.vocab[0])
         self.kernels = optimize(self.model) if config.optimize and device.type == "cpu" else []
-        if not self.last:
-            self.model.lm_head = None  # (a packed copy of a tied embedding for logits this stage never computes)
+        if not self.sends_logits:
+            self.model.lm_head = None  # (a packed copy of a tied embedding for logits this rank never computes)
         count = bounds[self.stage][1] - bounds[self.stage][0]
-        heads = layout.num_kv_heads if self.shard is None else self.shard.kv_heads[1] - self.shard.kv_heads[0]
+        self.heads = (0, layout.num_kv_heads) if self.shard is None or experts else self.shard.kv_heads
+        heads = self.heads[1] - self.heads[0]
         self.model.to(device)
         self.cache = PagedKVCache(replace(layout, num_layers=count, num_kv_heads=heads), num_blocks, device)
         # its attention() and tensor() serve the stage; prepare() is the driver's
@@ -131,7 +141,7 @@ class StageRank(RankPart):
         attend, tensor = self.runner.attention(inputs), self.runner.tensor
         x = self.model.embed(tensor(inputs.input_ids)) if self.first else x.to(self.cache.device)
         x = self.model.forward_layers(x, tensor(inputs.positions), attend)
-        if self.last:
+        if self.sends_logits:
             if inputs.sample_rows:
                 x = self.model.compute_logits(self.model.norm(x)[tensor(inputs.sample_rows)])
             else:
@@ -149,6 +159,8 @@ class StageRank(RankPart):
                 x = torch.empty(len(inputs.input_ids), hidden, dtype=dtype, device=group.comm_device())
                 dist.recv(x, src=self.rank - self.tp)
             out = self._stage(inputs, x)
+            if self.last and not self.sends_logits:
+                continue  # (another expert-parallel rank of the last stage sends them)
             sends.append((dist.isend(out, dst=0 if self.last else self.rank + self.tp), out))
         for work, _ in sends:
             work.wait()
@@ -159,10 +171,10 @@ class StageRank(RankPart):
     def import_block(self, block_id: int, payload: bytes) -> None:
         first, last = self.bounds[self.stage]
         w = self.whole
-        heads = (0, w.num_kv_heads) if self.shard is None else self.shard.kv_heads
+        heads = self.heads
         as_int = group.int_view(self.cache.kv.element_size())
-        full = torch.frombuffer(bytearray(payload), dtype=as_int).view(w.num_layers, 2, w.block_size, w.num_kv_heads,
-                                                                         w.head_dim)
+        full = torch.frombuffer(bytearray(payload), dtype=as_int).view(w.num_layers, w.planes, w.block_size,
+                                                                         w.num_kv_heads, w.head_dim)
         self.cache.kv[:, :, block_id].view(as_int).copy_(full[first:last, :, :, heads[0]:heads[1]])
 
 
@@ -178,12 +190,15 @@ class PipelineParallelRunner(ParallelRunner):
 
     def __init__(self, config, layout: KVLayout, num_blocks: int):
         args = model_args(config)
-        self.stages, self.tp = config.pipeline_parallel, config.tensor_parallel
+        self.ep = config.expert_parallel  # > 1: each stage a group of expert-parallel ranks (not TP)
+        self.stages, self.tp = config.pipeline_parallel, config.tensor_parallel if self.ep == 1 else self.ep
         world = self.stages * self.tp
         dtype = getattr(torch, config.dtype)
         threads = max(1, config.torch_threads() // world)
         torch.set_num_threads(threads)
-        self.costs = measure_costs(args, dtype, rows=min(16, config.max_num_seqs))
+        # the cost profile times a Llama layer; another family's stages are balanced by layer count
+        self.costs = measure_costs(args, dtype, rows=min(16, config.max_num_seqs)) if args.family == "llama" \
+            else {"embedding": 0.0, "layer": 1.0, "head": 0.0}
         if config.pipeline_partition:
             counts = list(config.pipeline_partition)
             if len(counts) != self.stages or sum(counts) != args.num_layers or min(counts) < 1:
@@ -197,7 +212,9 @@ class PipelineParallelRunner(ParallelRunner):
         starts = [sum(counts[:i]) for i in range(len(counts))]
         self.bounds = [(s, s + c) for s, c in zip(starts, counts)]
         self.shards = [None]
-        if self.tp > 1:
+        if self.ep > 1:
+            self.shards = plan_experts(args, self.ep)
+        elif self.tp > 1:
             uneven = self.tp < args.num_kv_heads and args.num_kv_heads % self.tp
             self.shard_costs = tp_costs(args, dtype, min(16, config.max_num_seqs)) if uneven else None
             self.shards = plan(args, self.tp, self.shard_costs)
@@ -218,9 +235,10 @@ class PipelineParallelRunner(ParallelRunner):
         self.captured = None
         self.cache = ShardedKVCache(self)
         self._layers_width = max(counts)
-        self._heads_width = layout.num_kv_heads if self.tp == 1 else \
-            max(s.kv_heads[1] - s.kv_heads[0] for s in self.shards)
-        self._vocab = [args.vocab_size] if self.tp == 1 else [s.vocab[1] - s.vocab[0] for s in self.shards]
+        tensor_parallel = self.tp > 1 and self.ep == 1
+        self._heads_width = max(s.kv_heads[1] - s.kv_heads[0] for s in self.shards) if tensor_parallel \
+            else layout.num_kv_heads
+        self._vocab = [s.vocab[1] - s.vocab[0] for s in self.shards] if tensor_parallel else [args.vocab_size]
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
@@ -263,6 +281,6 @@ class PipelineParallelRunner(ParallelRunner):
             stage, tp_rank = divmod(rank, self.tp)
             first, last = self.bounds[stage]
             shard = self.shards[tp_rank]
-            h0, h1 = (0, self.layout.num_kv_heads) if shard is None else shard.kv_heads
+            h0, h1 = shard.kv_heads if hasattr(shard, "kv_heads") else (0, self.layout.num_kv_heads)
             whole[first:last, :, :, :, h0:h1] = part[:last - first, :, :, :, :h1 - h0]  # (replicas: the same values)
         return whole
