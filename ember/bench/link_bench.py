@@ -59,6 +59,27 @@ def _config(path: Path, codec: str, capacity_mb: int, link: bool = True) -> dict
     return {"central": central, "edge": edge}
 
 
+def wan_relay(run_dir: Path, source: dict) -> tuple[subprocess.Popen, list[str]]:
+    """The emulated link (the `ember.cluster.wan` relay) in front of the `source` kvstore's gRPC and
+    data ports: the relay's process, and the --route flags that send a store's hops to it through it."""
+    spec = [{"listen": f"127.0.0.1:{free_port()}", "target": source[key], "rtt_ms": RTT_MS, "gbps": GBPS}
+            for key in ("kvstore", "kvstore_data")]
+    (run_dir / "links.json").write_text(json.dumps(spec))
+    with open(run_dir / "relay.log", "wb") as log:
+        relay = subprocess.Popen([sys.executable, "-m", "ember.cluster.wan", "--spec", str(run_dir / "links.json")],
+                                 stdout=log, stderr=subprocess.STDOUT)
+    return relay, [f"{s['target']}={s['listen']}" for s in spec]
+
+
+def edge_config(run_dir: Path, name: str, codec: str, capacity_mb: int, source: dict, link: bool = True) -> Path:
+    """An edge kvstore's config (`_config`) whose central site is the running `source` store."""
+    cfg = run_dir / f"{name}.yaml"
+    addrs = _config(cfg, codec, capacity_mb, link=link)
+    cfg.write_text(cfg.read_text().replace(addrs["central"]["kvstore"], source["kvstore"]).replace(
+        addrs["central"]["kvstore_data"], source["kvstore_data"]))  # the one real source
+    return cfg
+
+
 def main(args) -> int:
     threads = args.threads or 2
     progress(f"real KV of a {PROMPT_TOKENS}-token prompt (default engine: q4 weights, bf16 KV)")
@@ -79,23 +100,12 @@ def main(args) -> int:
             src_addr = _config(src_cfg, "raw", capacity)["central"]
             src = KVStoreProcess(run_dir, "central", config=src_cfg, site="central")
             stores.append(src)
-            spec = []
-            for key in ("kvstore", "kvstore_data"):
-                spec.append({"listen": f"127.0.0.1:{free_port()}", "target": src_addr[key], "rtt_ms": RTT_MS,
-                             "gbps": GBPS})
-            (run_dir / "links.json").write_text(json.dumps(spec))
-            relay_log = open(run_dir / "relay.log", "wb")
-            relay = subprocess.Popen([sys.executable, "-m", "ember.cluster.wan", "--spec", str(run_dir / "links.json")],
-                                     stdout=relay_log, stderr=subprocess.STDOUT)
-            routes = [f"{s['target']}={s['listen']}" for s in spec]
+            relay, routes = wan_relay(run_dir, src_addr)
             dst: dict[tuple[str, str], KVStoreProcess] = {}
             for path_kind in ("wan", "loopback"):
                 for mode in MODES if path_kind == "wan" else ("raw", "auto"):
-                    cfg = run_dir / f"edge-{path_kind}-{mode}.yaml"
-                    addrs = _config(cfg, mode, capacity, link=path_kind == "wan")
-                    text = cfg.read_text().replace(addrs["central"]["kvstore"], src_addr["kvstore"]).replace(
-                        addrs["central"]["kvstore_data"], src_addr["kvstore_data"])  # the one real source
-                    cfg.write_text(text)
+                    cfg = edge_config(run_dir, f"edge-{path_kind}-{mode}", mode, capacity, src_addr,
+                                      link=path_kind == "wan")
                     store = KVStoreProcess(run_dir, f"edge-{path_kind}-{mode}", config=cfg, site="edge",
                                            routes=routes if path_kind == "wan" else [])
                     stores.append(store)

@@ -17,11 +17,8 @@
 """
 from __future__ import annotations
 
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -130,8 +127,7 @@ def _pull_over_link(layout, blocks: int, reps: int) -> dict:
     """A central and an edge kvstore (a store holds one block size), the relay between them; the edge
     pulls `blocks` fresh blocks of `layout`, `reps` times."""
     from ember.bench.kv_bench import KVStoreProcess
-    from ember.bench.link_bench import GBPS, RTT_MS, _config
-    from ember.cluster.ports import free_port
+    from ember.bench.link_bench import _config, edge_config, wan_relay
     from ember.kv import wire
     from ember.kv.chunks import split
     from ember.v1 import kvstore_pb2
@@ -147,17 +143,9 @@ def _pull_over_link(layout, blocks: int, reps: int) -> dict:
             src_addr = _config(src_cfg, "raw", capacity)["central"]
             src = KVStoreProcess(run_dir, "central", config=src_cfg, site="central")
             stores.append(src)
-            spec = [{"listen": f"127.0.0.1:{free_port()}", "target": src_addr[key], "rtt_ms": RTT_MS, "gbps": GBPS}
-                    for key in ("kvstore", "kvstore_data")]
-            (run_dir / "links.json").write_text(json.dumps(spec))
-            relay = subprocess.Popen([sys.executable, "-m", "ember.cluster.wan", "--spec", str(run_dir / "links.json")],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-            cfg = run_dir / "edge.yaml"
-            addrs = _config(cfg, "raw", capacity)
-            cfg.write_text(cfg.read_text().replace(addrs["central"]["kvstore"], src_addr["kvstore"]).replace(
-                addrs["central"]["kvstore_data"], src_addr["kvstore_data"]))
-            dst = KVStoreProcess(run_dir, "edge", config=cfg, site="edge",
-                                 routes=[f"{s['target']}={s['listen']}" for s in spec])
+            relay, routes = wan_relay(run_dir, src_addr)
+            dst = KVStoreProcess(run_dir, "edge", config=edge_config(run_dir, "edge", "raw", capacity, src_addr),
+                                 site="edge", routes=routes)
             stores.append(dst)
             for store in stores:
                 store.wait()

@@ -87,19 +87,8 @@ class ExpertParallelRunner(ParallelRunner):
         threads = max(1, config.torch_threads() // self.degree)
         torch.set_num_threads(threads)
         self.layout = layout
-        self.group = group.RankGroup(self.degree, _rank_main,
-                                     lambda r: (config, self.shards[r], layout, num_blocks, threads), "ep",
-                                     torch.device(config.device))
-        self.procs = self.group.procs
-        try:
-            self.group.join()
-            self.me = ExpertRank(config, self.shards[0], layout, num_blocks)
-            self.group.ready()
-        except BaseException:
-            self.group.abort()
-            raise
-        self.kernels = self.me.kernels
-        self.captured = None
+        self._start(self.degree, _rank_main, lambda r: (config, self.shards[r], layout, num_blocks, threads), "ep",
+                    config.device, lambda: ExpertRank(config, self.shards[0], layout, num_blocks))
         self.cache = ReplicatedKVCache(self)
 
     @torch.inference_mode()

@@ -220,19 +220,9 @@ class PipelineParallelRunner(ParallelRunner):
             self.shards = plan(args, self.tp, self.shard_costs)
         self.layout = layout
         self.micro_batches = config.pipeline_microbatches or self.stages
-        self.group = group.RankGroup(world, _stage_main,
-                                     lambda r: (config, self.tp, self.bounds, self.shards, layout, num_blocks,
-                                                threads), "pp", torch.device(config.device))
-        self.procs = self.group.procs
-        try:
-            self.group.join()
-            self.me = StageRank(config, 0, self.tp, self.bounds, self.shards, layout, num_blocks)
-            self.group.ready()
-        except BaseException:
-            self.group.abort()
-            raise
-        self.kernels = self.me.kernels
-        self.captured = None
+        self._start(world, _stage_main, lambda r: (config, self.tp, self.bounds, self.shards, layout, num_blocks,
+                                                   threads), "pp",
+                    config.device, lambda: StageRank(config, 0, self.tp, self.bounds, self.shards, layout, num_blocks))
         self.cache = ShardedKVCache(self)
         self._layers_width = max(counts)
         tensor_parallel = self.tp > 1 and self.ep == 1

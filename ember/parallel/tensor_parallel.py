@@ -136,6 +136,22 @@ class ParallelRunner:
 
     shared_imports = 0  # blocks the ranks took straight from a kvstore's shared memory
 
+    def _start(self, world: int, rank_main, args_of_rank, name: str, device: str, make_driver) -> None:
+        """Spawn ranks 1..world-1 (`rank_main(rank, world, port, *args_of_rank(rank))`), join the group,
+        build the driver's own part (`make_driver()`: rank 0) and wait for every rank's; a failure on
+        the way aborts the group (no rank is left behind)."""
+        self.group = group.RankGroup(world, rank_main, args_of_rank, name, torch.device(device))
+        self.procs = self.group.procs
+        try:
+            self.group.join()
+            self.me = make_driver()
+            self.group.ready()
+        except BaseException:
+            self.group.abort()
+            raise
+        self.kernels = self.me.kernels
+        self.captured = None
+
     @torch.inference_mode()
     def import_block(self, block_id: int, payload: bytes) -> None:
         """Every rank takes its part of the block: from the same-host kvstore's shared memory when the
@@ -174,19 +190,8 @@ class TensorParallelRunner(ParallelRunner):
             else None
         self.shards = plan(args, self.degree, self.costs)
         self.layout = layout
-        self.group = group.RankGroup(self.degree, _rank_main,
-                                     lambda r: (config, self.shards[r], layout, num_blocks, threads), "tp",
-                                     torch.device(config.device))
-        self.procs = self.group.procs
-        try:
-            self.group.join()
-            self.me = TensorRank(config, self.shards[0], layout, num_blocks)
-            self.group.ready()
-        except BaseException:
-            self.group.abort()
-            raise
-        self.kernels = self.me.kernels
-        self.captured = None
+        self._start(self.degree, _rank_main, lambda r: (config, self.shards[r], layout, num_blocks, threads), "tp",
+                    config.device, lambda: TensorRank(config, self.shards[0], layout, num_blocks))
         self.cache = ShardedKVCache(self)
         self._vocab_width = max(s.vocab[1] - s.vocab[0] for s in self.shards)
         self._heads_width = max(s.kv_heads[1] - s.kv_heads[0] for s in self.shards)
