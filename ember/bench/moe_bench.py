@@ -8,7 +8,8 @@
   times the active bytes: that is the model class, not overhead, and the JSON says how many
   experts a step touched.
 - expert_parallel: the same MoE model's decode step at EP = 2 against EP = 1 (2 cores: both ranks
-  share the cores and the memory bandwidth, so it is honest, not flattering).
+  share the cores and the memory bandwidth, so it is honest, not flattering), and the tokens routed
+  to each rank's experts with their imbalance (the busiest rank over the mean).
 - latent: KV bytes per token of Kimi K2.5 (its public config's MLA: 576 values a layer) against the
   same model's expanded K/V (64 heads x (192 + 128)) and a GQA cache of 8 KV heads x 128; and the
   transfer time of a 4,096-token prompt's KV over the emulated 60 ms / 1 Gbit/s link (two kvstore
@@ -45,9 +46,10 @@ def shapes(quick: bool) -> tuple[dict, dict, dict]:
     return common, moe, dense
 
 
-def decode_step_s(model: Path, batch: int, steps: int, **engine) -> tuple[float, float]:
+def decode_step_s(model: Path, batch: int, steps: int, ranks: list | None = None, **engine) -> tuple[float, float]:
     """Median seconds of a decode step of `batch` sequences (64-token prompts), and how many experts
-    a MoE layer ran per step, on average (0 for a dense model)."""
+    a MoE layer ran per step, on average (0 for a dense model). `ranks`: an expert-parallel engine's
+    per-rank expert stats are appended to it (ExpertParallelRunner.expert_stats)."""
     import random
 
     import torch
@@ -76,6 +78,8 @@ def decode_step_s(model: Path, batch: int, steps: int, **engine) -> tuple[float,
             eng.step()
             times.append(time.perf_counter() - start)
             touched += sum(int(torch.count_nonzero(m.expert_tokens - b)) for m, b in zip(layers, before))
+        if ranks is not None:
+            ranks.extend(eng.runner.expert_stats())
         return statistics.median(times), touched / steps / max(1, len(layers))
     finally:
         eng.close()
@@ -189,7 +193,9 @@ def main(args) -> int:
             progress(f"decode step, batch {batch}: MoE, dense, MoE at EP = 2")
             moe_s, touched = decode_step_s(moe, batch, steps)
             dense_s, _ = decode_step_s(dense, batch, steps)
-            ep2_s, _ = decode_step_s(moe, batch, steps, expert_parallel=2)
+            ranks: list[dict] = []
+            ep2_s, _ = decode_step_s(moe, batch, steps, ranks, expert_parallel=2)
+            load = [r["routed_tokens"] for r in ranks]  # since the engine started: prefill and decode
             moe_bytes = step_bytes(common, moe_fields, touched, 0)
             dense_bytes = step_bytes(common, None, 0, dense_fields["intermediate_size"])
             step[f"batch_{batch}"] = {
@@ -198,7 +204,9 @@ def main(args) -> int:
                 "weight_mb_read_moe": round(moe_bytes / 1e6, 1), "weight_mb_read_dense": round(dense_bytes / 1e6, 1),
                 # the step time a byte of weights costs, MoE against dense: routing and grouping's share
                 "moe_over_dense_per_byte_read": round(moe_s / moe_bytes / (dense_s / dense_bytes), 3),
-                "ep2_s": round(ep2_s, 5), "ep2_over_ep1": round(ep2_s / moe_s, 3)}
+                "ep2_s": round(ep2_s, 5), "ep2_over_ep1": round(ep2_s / moe_s, 3), "ep2_ranks": ranks,
+                # the busiest rank's routed tokens over the mean: 1.0 is a perfect balance
+                "ep2_imbalance": round(max(load) / (sum(load) / len(load)), 3) if sum(load) else None}
         result["step"] = step
     result["latent"] = latent_bytes()
     progress("KV of a 4,096-token prompt over the emulated 60 ms / 1 Gbit/s link: latent, expanded")
@@ -218,6 +226,8 @@ def main(args) -> int:
         "MoE / dense time per weight byte read, batch 16": {"value": b16["moe_over_dense_per_byte_read"],
                                                             "target": "<= 1.3",
                                                             "met": b16["moe_over_dense_per_byte_read"] <= 1.3},
+        "EP = 2 expert load imbalance (busiest rank / mean), batch 16": {"value": b16["ep2_imbalance"],
+                                                                          "target": "reported", "met": True},
         "EP = 2 / EP = 1 decode step, batch 16 (2 cores)": {"value": b16["ep2_over_ep1"], "target": "reported",
                                                              "met": True},
     }
