@@ -84,6 +84,9 @@ class LLMEngine:
         if not parallel:  # on the device before the pool is sized from what is left there
             self.loaded.model.to(torch.device(config.device))  # (its weights were read into host memory)
         num_blocks = config.num_kv_blocks or config.pool_bytes() // self.layout.block_bytes
+        if config.expert_parallel > 1 and config.device == "cpu" and not config.num_kv_blocks:
+            # every expert-parallel rank holds the whole cache: on one host's memory the pool is split
+            num_blocks //= config.expert_parallel
         if parallel:
             if config.pipeline_parallel > 1:  # (each stage a group of tensor- or expert-parallel ranks)
                 from ember.parallel.pipeline_parallel import PipelineParallelRunner as Runner
@@ -201,8 +204,8 @@ class LLMEngine:
     def expert_tokens(self) -> list[int]:
         """Tokens routed to each expert since start, over all MoE layers ([] for a dense model). The
         driver's model routes every token, also under expert parallelism (the router is replicated)."""
-        if self.loaded.args.moe is None:
-            return []
+        if self.loaded.args.moe is None or self.config.pipeline_parallel > 1:
+            return []  # (a pipeline's driver holds only stage 0's layers: not counted there yet)
         from ember.model.moe import routed_tokens
         model = self.loaded.model if self.loaded.model is not None else self.runner.me.loaded.model
         return routed_tokens(model)

@@ -184,7 +184,7 @@ class ExpertShard:
 
 def plan_experts(args: ModelArgs, degree: int) -> list[ExpertShard]:
     """The routed experts over `degree` ranks, contiguous, sizes differing by at most one (bigger first)."""
-    if args.moe is None:
+    if args.moe is None or not any(args.moe.layers):
         raise ValueError(f"expert_parallel {degree} needs a mixture-of-experts model; this {args.family} "
                          "model is dense")
     if degree > args.moe.num_experts:

@@ -94,7 +94,7 @@ class TensorRank(RankPart):
         w = self.whole
         as_int = group.int_view(self.cache.kv.element_size())
         full = torch.frombuffer(bytearray(payload), dtype=as_int).view(
-            w.num_layers, 2, w.block_size, w.num_kv_heads, w.head_dim)  # (a copy to the device where it lives)
+            w.num_layers, w.planes, w.block_size, w.num_kv_heads, w.head_dim)  # (a copy to the device where it lives)
         self.cache.kv[:, :, block_id].view(as_int).copy_(full[:, :, :, self.shard.kv_heads[0]:self.shard.kv_heads[1]])
 
 
