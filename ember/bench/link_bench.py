@@ -17,6 +17,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
@@ -59,6 +61,52 @@ def _config(path: Path, codec: str, capacity_mb: int, link: bool = True) -> dict
     return {"central": central, "edge": edge}
 
 
+@dataclass
+class Link:
+    """A central kvstore behind the emulated link: its process, its addresses, the --route flags that
+    send another store's hops to it through the relay, and every store to stop at the end."""
+    source: KVStoreProcess
+    address: dict
+    routes: list[str]
+    stores: list[KVStoreProcess] = field(default_factory=list)
+
+
+@contextmanager
+def central_behind_link(run_dir: Path, capacity_mb: int):
+    """Start the central kvstore and the relay in front of it; stop them, and every store added to
+    `Link.stores`, at the end."""
+    cfg = run_dir / "central.yaml"
+    address = _config(cfg, "raw", capacity_mb)["central"]
+    relay = None
+    link = Link(KVStoreProcess(run_dir, "central", config=cfg, site="central"), address, [])
+    link.stores.append(link.source)
+    try:
+        relay, link.routes = wan_relay(run_dir, address)
+        yield link
+    finally:
+        for store in link.stores:
+            store.stop()
+        if relay is not None:
+            relay.terminate()
+            relay.wait(timeout=10)
+
+
+def timed_pull(link: Link, store: KVStoreProcess, template: wire.FrameHeader, payloads: list[bytes],
+               timeout: float) -> tuple[float, kvstore_pb2.PullResponse]:
+    """Put `payloads` under fresh content addresses (nothing cached anywhere) into the central store, then
+    time `store` pulling them from it: (seconds, the Pull's answer)."""
+    hashes = [os.urandom(16) for _ in payloads]
+    frames = [(h, wire.encode_frame(template, h, p)) for h, p in zip(hashes, payloads)]
+    chunks = (kvstore_pb2.BlockChunk(block_hash=h, block_bytes=n, offset=o, data=d) for h, n, o, d in split(frames))
+    assert link.source.stub.Put(chunks, timeout=timeout).blocks_stored == len(frames)
+    start = time.perf_counter()
+    pulled = store.stub.Pull(kvstore_pb2.PullRequest(block_hashes=hashes, source=link.address["kvstore"]),
+                             timeout=timeout)
+    seconds = time.perf_counter() - start
+    assert pulled.blocks_pulled == len(hashes)
+    return seconds, pulled
+
+
 def wan_relay(run_dir: Path, source: dict) -> tuple[subprocess.Popen, list[str]]:
     """The emulated link (the `ember.cluster.wan` relay) in front of the `source` kvstore's gRPC and
     data ports: the relay's process, and the --route flags that send a store's hops to it through it."""
@@ -90,50 +138,28 @@ def main(args) -> int:
     capacity = int(total_mb * (2 * reps + 2)) + 16
     result: dict = {"link": {"rtt_ms": RTT_MS, "gbps": GBPS}, "blocks": len(payloads), "kv_mb": round(total_mb, 1),
                     "reps": reps}
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, central_behind_link(Path(tmp), capacity) as link:
         run_dir = Path(tmp)
-        stores, relay = [], None
-        try:
-            # one config per destination mode (the codec is the kvstore section's); the source is the
-            # same central store, reached through the relay (WAN) or directly (loopback)
-            src_cfg = run_dir / "central.yaml"
-            src_addr = _config(src_cfg, "raw", capacity)["central"]
-            src = KVStoreProcess(run_dir, "central", config=src_cfg, site="central")
-            stores.append(src)
-            relay, routes = wan_relay(run_dir, src_addr)
-            dst: dict[tuple[str, str], KVStoreProcess] = {}
-            for path_kind in ("wan", "loopback"):
-                for mode in MODES if path_kind == "wan" else ("raw", "auto"):
-                    cfg = edge_config(run_dir, f"edge-{path_kind}-{mode}", mode, capacity, src_addr,
-                                      link=path_kind == "wan")
-                    store = KVStoreProcess(run_dir, f"edge-{path_kind}-{mode}", config=cfg, site="edge",
-                                           routes=routes if path_kind == "wan" else [])
-                    stores.append(store)
-                    dst[(path_kind, mode)] = store
-            for store in stores:
-                store.wait()
-            rows: dict[str, list[dict]] = {f"{k}_{m}": [] for k, m in dst}
-            for rep in range(reps):
-                progress(f"rep {rep + 1}/{reps}")
-                for (path_kind, mode), store in dst.items():
-                    hashes = [os.urandom(16) for _ in payloads]  # fresh content addresses: nothing cached
-                    frames = [(h, wire.encode_frame(template, h, p)) for h, p in zip(hashes, payloads)]
-                    chunks = (kvstore_pb2.BlockChunk(block_hash=h, block_bytes=n, offset=o, data=d)
-                              for h, n, o, d in split(frames))
-                    assert src.stub.Put(chunks, timeout=300).blocks_stored == len(frames)
-                    start = time.perf_counter()
-                    pulled = store.stub.Pull(kvstore_pb2.PullRequest(block_hashes=hashes, source=src_addr["kvstore"]),
-                                             timeout=300)
-                    seconds = time.perf_counter() - start
-                    assert pulled.blocks_pulled == len(hashes)
-                    rows[f"{path_kind}_{mode}"].append({"seconds": seconds, "wire_bytes": pulled.wire_bytes,
-                                                        "raw_bytes": pulled.bytes_pulled, "codec": pulled.codec})
-        finally:
-            for store in stores:
-                store.stop()
-            if relay is not None:
-                relay.terminate()
-                relay.wait(timeout=10)
+        # one config per destination mode (the codec is the kvstore section's); the source is the
+        # same central store, reached through the relay (WAN) or directly (loopback)
+        dst: dict[tuple[str, str], KVStoreProcess] = {}
+        for path_kind in ("wan", "loopback"):
+            for mode in MODES if path_kind == "wan" else ("raw", "auto"):
+                cfg = edge_config(run_dir, f"edge-{path_kind}-{mode}", mode, capacity, link.address,
+                                  link=path_kind == "wan")
+                store = KVStoreProcess(run_dir, f"edge-{path_kind}-{mode}", config=cfg, site="edge",
+                                       routes=link.routes if path_kind == "wan" else [])
+                link.stores.append(store)
+                dst[(path_kind, mode)] = store
+        for store in link.stores:
+            store.wait()
+        rows: dict[str, list[dict]] = {f"{k}_{m}": [] for k, m in dst}
+        for rep in range(reps):
+            progress(f"rep {rep + 1}/{reps}")
+            for (path_kind, mode), store in dst.items():
+                seconds, pulled = timed_pull(link, store, template, payloads, timeout=300)
+                rows[f"{path_kind}_{mode}"].append({"seconds": seconds, "wire_bytes": pulled.wire_bytes,
+                                                    "raw_bytes": pulled.bytes_pulled, "codec": pulled.codec})
     summary = {}
     for key, runs in rows.items():
         summary[key] = {"seconds": round(statistics.median(r["seconds"] for r in runs), 3),

@@ -131,45 +131,18 @@ def _pull_over_link(layout, blocks: int, reps: int) -> dict:
     """A central and an edge kvstore (a store holds one block size), the relay between them; the edge
     pulls `blocks` fresh blocks of `layout`, `reps` times."""
     from ember.bench.kv_bench import KVStoreProcess
-    from ember.bench.link_bench import _config, edge_config, wan_relay
+    from ember.bench.link_bench import central_behind_link, edge_config, timed_pull
     from ember.kv import wire
-    from ember.kv.chunks import split
-    from ember.v1 import kvstore_pb2
     capacity = int(wire.frame_bytes(layout.block_bytes) * blocks * (reps + 1) / 2**20) + 64
     template = wire.layout_header(layout, b"\x01" * 16)
-    payload = os.urandom(layout.block_bytes)  # (raw codec: the bytes on the wire are what is timed)
-    runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        run_dir = Path(tmp)
-        stores, relay = [], None
-        try:
-            src_cfg = run_dir / "central.yaml"
-            src_addr = _config(src_cfg, "raw", capacity)["central"]
-            src = KVStoreProcess(run_dir, "central", config=src_cfg, site="central")
-            stores.append(src)
-            relay, routes = wan_relay(run_dir, src_addr)
-            dst = KVStoreProcess(run_dir, "edge", config=edge_config(run_dir, "edge", "raw", capacity, src_addr),
-                                 site="edge", routes=routes)
-            stores.append(dst)
-            for store in stores:
-                store.wait()
-            for _ in range(reps):
-                hashes = [os.urandom(16) for _ in range(blocks)]
-                frames = [(h, wire.encode_frame(template, h, payload)) for h in hashes]
-                chunks = (kvstore_pb2.BlockChunk(block_hash=h, block_bytes=n, offset=o, data=d)
-                          for h, n, o, d in split(frames))
-                assert src.stub.Put(chunks, timeout=600).blocks_stored == blocks
-                start = time.perf_counter()
-                pulled = dst.stub.Pull(kvstore_pb2.PullRequest(block_hashes=hashes, source=src_addr["kvstore"]),
-                                       timeout=600)
-                runs.append(time.perf_counter() - start)
-                assert pulled.blocks_pulled == blocks
-        finally:
-            for store in stores:
-                store.stop()
-            if relay is not None:
-                relay.terminate()
-                relay.wait(timeout=10)
+    payloads = [os.urandom(layout.block_bytes)] * blocks  # (raw codec: the bytes on the wire are what is timed)
+    with tempfile.TemporaryDirectory() as tmp, central_behind_link(Path(tmp), capacity) as link:
+        dst = KVStoreProcess(Path(tmp), "edge", config=edge_config(Path(tmp), "edge", "raw", capacity, link.address),
+                             site="edge", routes=link.routes)
+        link.stores.append(dst)
+        for store in link.stores:
+            store.wait()
+        runs = [timed_pull(link, dst, template, payloads, timeout=600)[0] for _ in range(reps)]
     return {"bytes": layout.block_bytes * blocks, "seconds": round(statistics.median(runs), 3),
             "runs": [round(x, 3) for x in runs]}
 
