@@ -1,6 +1,7 @@
 """LLMEngine: wires model, paged KV cache, block manager, scheduler, runner and sampler."""
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import random
@@ -210,14 +211,15 @@ class LLMEngine:
         model = self.loaded.model if self.loaded.model is not None else self.runner.me.loaded.model
         return routed_tokens(model)
 
-    def expert_ranks(self) -> list[int]:
-        """The rank that holds each expert (all 0 without expert parallelism)."""
+    @functools.cached_property
+    def expert_ranks(self) -> tuple[int, ...]:
+        """The rank that holds each expert (all 0 without expert parallelism); fixed at start."""
         moe = self.loaded.args.moe
         if moe is None:
-            return []
+            return ()
         shards = getattr(self.runner, "shards", None) if self.config.expert_parallel > 1 else None
-        return [next(s.rank for s in shards if s.experts[0] <= e < s.experts[1]) if shards else 0
-                for e in range(moe.num_experts)]
+        return tuple(next(s.rank for s in shards if s.experts[0] <= e < s.experts[1]) if shards else 0
+                     for e in range(moe.num_experts))
 
     def abort(self, request_id: str) -> None:
         seq = self.seqs.pop(request_id, None)

@@ -144,7 +144,7 @@ class EngineCore:
         return Snapshot(len(engine.scheduler.running), len(engine.scheduler.waiting) + len(self.pending),
                         bm.num_used_blocks, bm.num_blocks, t.tokens_l1, t.tokens_l2, t.tokens_computed,
                         engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens,
-                        tuple(engine.expert_tokens()), tuple(engine.expert_ranks()))
+                        tuple(engine.expert_tokens()), engine.expert_ranks)
 
     # -- the loop turn -----------------------------------------------------------------------
     def has_work(self) -> bool:
