@@ -141,7 +141,7 @@ def full_config(model_path: Path) -> dict:
                "decode_batch_tokens_per_s": 190, "max_batch": 8, "pool": "decode-heavy"}
     return {
         "model": str(model_path),
-        "router": {"listen": a(41000), "http": a(41001), "site": "west"},
+        "router": {"listen": a(41000), "http": a(41001), "site": "west", "slo": {"ttft_s": 2.0, "tpot_s": 0.5}},
         "placement": {"policy": "ember", "prefill_site": "central", "decode_site": "west", "session_affinity": True,
                       "codec_saving": 0.2, "decode_heavy_ratio": 2.0, "pool_slack_ms": 5,
                       "default_output_tokens": 100, "kv_bytes_per_token": 30000, "emulate_links": True},
@@ -156,9 +156,10 @@ def full_config(model_path: Path) -> dict:
         "hardware": {"big": profile},
         "engine": {"dtype": "float32", "weights": "dense", "block_size": 16, "kv_cache_memory_fraction": 0.01,
                    "max_num_seqs": 16, "max_num_batched_tokens": 512, "max_model_len": 2048, "threads": 1,
+                   "cpus": "auto",
                    "prefill": {"kv_cache_mb": 64, "kv_cache_memory_fraction": 0.02, "max_num_seqs": 4,
                                "max_num_batched_tokens": 256, "threads": 1},
-                   "decode": {"max_num_seqs": 8}},
+                   "decode": {"max_num_seqs": 8, "cpus": "0"}},
         "kvstore": {"capacity_mb": 64, "codec": "planes", "shared_memory": True, "shm_socket": "@ember-test"},
         "directory": {"url": "redis://127.0.0.1:1/0", "ttl_s": 30},
         "security": {"tls": "files", "tls_dir": "certs/{name}"},

@@ -248,7 +248,8 @@ def _amx_host() -> bool:
         return False
 
 
-def start_llama_server(model: str, slots: int, threads: int, context: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_llama_server(model: str, slots: int, threads: int, context: int, log: Path,
+                       extra: list[str] = ()) -> tuple[subprocess.Popen, str]:
     """llama-server on a free port with `slots` parallel slots of `context` tokens each.
 
     On a CPU with AMX, llama.cpp's AMX matmul (an "extra buffer type") segfaulted on its first
@@ -258,7 +259,7 @@ def start_llama_server(model: str, slots: int, threads: int, context: int, log: 
 
     from ember.cluster.ports import free_port
     port = free_port()
-    extra = ["--no-repack"] if _amx_host() else []
+    extra = [*extra, *(["--no-repack"] if _amx_host() else [])]
     with open(log, "ab") as out:
         proc = subprocess.Popen([str(LLAMA_SERVER), "-m", model, "-np", str(slots), "-t", str(threads),
                                  "-c", str(context * slots), "--port", str(port), "--host", "127.0.0.1", *extra],

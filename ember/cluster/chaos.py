@@ -135,7 +135,8 @@ class Cluster:
         return restarted
 
     @contextmanager
-    def second_router(self, folder: Path, **settings) -> Iterator[tuple[dict, subprocess.Popen]]:
+    def second_router(self, folder: Path, placement: dict | None = None,
+                      **settings) -> Iterator[tuple[dict, subprocess.Popen]]:
         """Another router in front of this cluster's workers, for the `with` block: the cluster's config
         with a router section of its own (fresh ports for its gRPC, internal and, where the cluster
         serves one, HTTP listeners; `settings` on top), holding the cluster's router certificate. It
@@ -148,6 +149,7 @@ class Cluster:
         ports = {key: f"127.0.0.1:{free_port()}" for key in ("listen", "internal", "http")
                  if key != "http" or data["router"].get("http")}
         data["router"] = {**data["router"], **ports, **settings}
+        data["placement"] = {**data.get("placement", {}), **(placement or {})}
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "router-2.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
         proc = spawn(folder, "router-2", [*argv[:3], "--config", str(folder / "router-2.yaml")],

@@ -31,7 +31,7 @@ ENGINE_ROLES = ("prefill", "decode")
 # Engine settings a role may set for itself. The rest name the bytes of a KV block (dtype,
 # weights, block size) or the request limit the router checks, so both roles must agree.
 ROLE_SETTINGS = ("kv_cache_mb", "kv_cache_memory_fraction", "max_num_seqs", "max_num_batched_tokens", "threads",
-                 "tensor_parallel", "pipeline_parallel", "expert_parallel")
+                 "cpus", "tensor_parallel", "pipeline_parallel", "expert_parallel")
 
 
 def _address(value: str) -> str:
@@ -75,9 +75,12 @@ class Site(Section):
     hardware: str = Field("default", description="a profile under `hardware:`")
     capacity: int | None = Field(None, gt=0, description="concurrent decode sequences; default: the profile's "
                                                          "max_batch")
-    host: str | None = Field(None, description="the simulator: sites naming the same host share one machine, "
-                                               "each busy engine on it running at 1/k of its speed while k are "
-                                               "busy (a one-host lab cluster); unset: the site's own hardware")
+    host: str | None = Field(None, description="sites naming the same host share one machine: the router prices "
+                                               "colocated against disaggregated prefill there, engine.cpus auto "
+                                               "splits its cores, and the simulator runs each busy engine on it "
+                                               "at 1/k of its speed while k are busy; unset: a site whose every "
+                                               "address is a loopback one shares `localhost` (ember up's one-host "
+                                               "clusters; not in the simulator), else its own hardware")
     kvstore: str | None = Field(None, description="HOST:PORT of the site's kvstore (gRPC)")
     kvstore_data: str | None = Field(None, description="HOST:PORT of its TCP data plane for bulk block moves")
     prefill: list[str] = Field([], description="HOST:PORT of each prefill worker of the site (one, or a list)")
@@ -135,6 +138,16 @@ class UserRegion(Section):
     reach: list[Reach] = Field(min_length=1)
 
 
+class SLOSection(Section):
+    """The latency objectives every engine of the cluster plans its steps against (ember.engine.step_policy)."""
+    ttft_s: float = Field(1.0, gt=0, description="time to first token: a waiting prompt this close to it gets "
+                                                 "its whole chunk even when decodes are due (agents wait for "
+                                                 "first tokens: TTFT first)")
+    tpot_s: float = Field(0.25, gt=0, description="time per output token: decodes may be skipped for prefill "
+                                                  "while they stay within it; past it, prefill chunks are cut "
+                                                  "to fit it unless a prompt's TTFT is at risk")
+
+
 class RouterSection(Section):
     listen: str = Field("127.0.0.1:50051", description="HOST:PORT of the public gRPC API")
     http: str | None = Field(None, description="HOST:PORT of the OpenAI-compatible HTTP API; unset: off")
@@ -158,6 +171,7 @@ class RouterSection(Section):
     reflection: bool = Field(False, description="gRPC server reflection on the public port")
     shared_prefixes: list[str] = Field([], description="texts (system prompts) whose KV blocks every tenant "
                                                        "shares; every other block is salted per tenant")
+    slo: SLOSection = SLOSection()
 
     _check = field_validator("listen", "http", "internal")(lambda cls, v: v if v is None else _address(v))
 
@@ -182,6 +196,10 @@ class PlacementSection(Section):
                                                                    "at; unset: derived from the model and dtype")
     emulate_links: bool = Field(False, description="`ember up` relays every inter-site hop through an emulated "
                                                    "link (RTT, bandwidth)")
+    shared_host: Literal["auto", "colocated", "disaggregated"] = Field(
+        "auto", description="fixed prefill and decode sites on one host (site.host): auto prices, per request, "
+                            "the decode worker prefilling itself against the prefill worker; colocated or "
+                            "disaggregated always take that one")
 
 
 class RoleEngineSettings(Section):
@@ -191,6 +209,7 @@ class RoleEngineSettings(Section):
     max_num_seqs: int | None = Field(None, gt=0)
     max_num_batched_tokens: int | None = Field(None, gt=0)
     threads: int | None = Field(None, ge=0)
+    cpus: str | None = None
     tensor_parallel: int | None = Field(None, ge=1)
     pipeline_parallel: int | None = Field(None, ge=1)
     expert_parallel: int | None = Field(None, ge=1)
@@ -362,6 +381,21 @@ class ClusterConfig(Section):
     def directory_url(self) -> str:
         """What kvstores publish to: Redis, or the router's in-memory directory."""
         return self.directory.url or f"grpc://{self.router.internal}"
+
+    def host_of(self, site: str) -> str | None:
+        """The machine `site` runs on: its `host`; unset, `localhost` when every address it has is a
+        loopback one (a one-host cluster `ember up` runs); else None (a machine of its own)."""
+        s = self.site(site)
+        if s.host is not None:
+            return s.host
+        from ember.util.cpus import is_loopback
+        addresses = [a for a in (s.kvstore, s.kvstore_data, *s.prefill, *s.decode) if a]
+        return "localhost" if addresses and all(is_loopback(a) for a in addresses) else None
+
+    def shares_host(self, a: str, b: str) -> bool:
+        """Whether sites a and b run on one machine (their engines share its cores)."""
+        host = self.host_of(a)
+        return a == b or (host is not None and host == self.host_of(b))
 
     def engine_sites(self, role: str) -> list[Site]:
         """Sites that run an engine of `role`: every site with the role when placement can choose,

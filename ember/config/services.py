@@ -115,11 +115,40 @@ def engine_settings(config: ClusterConfig, role: str, site_name: str, worker: in
     pool = site.workers(role)
     if not 0 <= worker < len(pool):
         raise ValueError(f"site {site_name!r} has {len(pool)} {role} worker(s); --worker {worker} is not one")
-    engine = EngineConfig(model=str(config.model_path()), **config.engine.for_role(role).model_dump())
+    values = config.engine.for_role(role).model_dump()
+    if values["cpus"] == "auto":
+        values["cpus"] = host_cpu_sets(config).get((role, site.name, worker))
+    slo = config.router.slo
+    engine = EngineConfig(model=str(config.model_path()), slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s, **values)
     k = config.kvstore
     settings = EngineServiceSettings(role, site.name, worker, pool[worker], site.kvstore, k.shared_memory,
                                      k.on_transfer_failure, k.recompute_max_tokens, engine.model_dump())
     return settings, engine
+
+
+def host_cpu_sets(config: ClusterConfig) -> dict[tuple[str, str, int], str]:
+    """`engine.cpus: auto`: the engines on each machine (ClusterConfig.host_of) split its cores into
+    disjoint sets, sized by their ranks (tensor x pipeline x expert parallel); (role, site, worker) ->
+    CPU list. Engines of a machine with fewer cores than ranks, or of sites on machines of their own,
+    are left out (not pinned)."""
+    from ember.util.cpus import format_cpus, host_cpus, split_cores
+    by_host: dict[str, list[tuple[tuple[str, str, int], int]]] = {}
+    for spec in services(config):
+        if spec.role not in ENGINE_ROLES:
+            continue
+        e = config.engine.for_role(spec.role)
+        if e.cpus != "auto":
+            continue
+        host = config.host_of(spec.site)
+        if host is not None:
+            ranks = e.tensor_parallel * e.pipeline_parallel * e.expert_parallel
+            by_host.setdefault(host, []).append(((spec.role, spec.site, spec.worker), ranks))
+    out = {}
+    for engines in by_host.values():
+        sets = split_cores(host_cpus(), [ranks for _, ranks in engines])
+        if sets is not None:
+            out.update({key: format_cpus(cpus) for (key, _), cpus in zip(engines, sets)})
+    return out
 
 
 def router_settings(config: ClusterConfig) -> RouterSettings:

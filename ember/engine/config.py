@@ -38,7 +38,11 @@ class EngineSettings(Section):
     max_num_batched_tokens: int = Field(1024, gt=0, description="tokens per step; bounds a prefill chunk")
     max_model_len: int | None = Field(None, gt=0, description="longest prompt + output; unset: the model's "
                                                               "context length")
-    threads: int = Field(0, ge=0, description="torch threads of the engine process; 0: one per core")
+    threads: int = Field(0, ge=0, description="torch threads of the engine process; 0: one per core of its "
+                                              "CPU set (cpus), else of the host")
+    cpus: str | None = Field(None, description="CPUs the engine process is pinned to ('0', '2-3', '0,2'); "
+                                               "auto: the engines sharing a host split its cores into disjoint "
+                                               "sets (a cluster config; ember.util.cpus); unset: not pinned")
     speculative_tokens: int | None = Field(None, ge=0, description="prompt-lookup drafts verified per decode "
                                            "step (exact: tokens unchanged); 0: off; unset: 3 on the "
                                            "batch-invariant bf16 path, off on fp32 (its kernels are not)")
@@ -48,6 +52,9 @@ class EngineSettings(Section):
     speculative_ngram_max: int = Field(4, gt=0, description="longest suffix (tokens) looked up in the context "
                                                             "to draft from")
     speculative_ngram_min: int = Field(2, gt=0, description="shortest suffix looked up")
+    jump_forward: bool = Field(True, description="a grammar-constrained request's forced tokens (the only ones its "
+                                                 "grammar allows next) are appended at once and computed in the "
+                                                 "next step, not one step each (exact: tokens unchanged)")
     tensor_parallel: int = Field(1, ge=1, description="ranks (processes) each layer is split over, Megatron style "
                                                       "(ember.parallel); KV blocks stay whole-model")
     pipeline_parallel: int = Field(1, ge=1, description="stages the layers are split into, balanced by a measured "
@@ -77,6 +84,14 @@ class EngineSettings(Section):
             raise ValueError(f"block_size must be a power of two, got {v}")
         return v
 
+    @field_validator("cpus")
+    @classmethod
+    def _cpu_list(cls, v: str | None) -> str | None:
+        if v is not None and v != "auto":
+            from ember.util.cpus import format_cpus, parse_cpus
+            return format_cpus(parse_cpus(v))
+        return v
+
     @field_validator("capture_sizes")
     @classmethod
     def _positive_sizes(cls, v: list[int]) -> list[int]:
@@ -100,6 +115,9 @@ class EngineConfig(EngineSettings):
     model: str = str(DEFAULT_MODEL_PATH)
     num_kv_blocks: int | None = Field(None, gt=0)  # overrides the pool size (tests)
     optimize: bool = True  # swap in the fastest available kernels (ember.kernels)
+    # the step policy's objectives (ember.engine.step_policy); a cluster's engines take router.slo
+    slo_ttft_s: float = Field(1.0, gt=0)
+    slo_tpot_s: float = Field(0.25, gt=0)
 
     @model_validator(mode="after")
     def _resolve_auto(self):
@@ -121,8 +139,15 @@ class EngineConfig(EngineSettings):
         object.__setattr__(self, "attention_backend", attention_backend(self.attention_backend, device, dtype))
         return self
 
+    def pinned_cpus(self) -> list[int] | None:
+        """The CPU set this engine runs on, or None (not pinned; "auto" is resolved by the cluster config)."""
+        if self.cpus is None or self.cpus == "auto":
+            return None
+        from ember.util.cpus import parse_cpus
+        return parse_cpus(self.cpus)
+
     def torch_threads(self) -> int:
-        return self.threads or os.cpu_count() or 1
+        return self.threads or len(self.pinned_cpus() or ()) or os.cpu_count() or 1
 
     def pool_bytes(self) -> int:
         """The KV pool's size: kv_cache_mb, else the fraction of the device's memory available now."""

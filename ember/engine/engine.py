@@ -5,8 +5,10 @@ import functools
 import itertools
 import logging
 import random
+import time
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from ember.engine.block_manager import BlockManager
@@ -22,6 +24,7 @@ from ember.engine.sampling_params import SamplingParams
 from ember.engine.scheduler import Scheduler
 from ember.engine.sequence import Sequence
 from ember.engine.speculation import NgramIndex, accepted_prefix
+from ember.engine.step_policy import SLO
 from ember.errors import NotFoundError
 from ember.kernels import optimize
 from ember.kv import wire
@@ -36,6 +39,9 @@ log = logging.getLogger("ember.engine")
 # 3 and 4 are the fastest (edit 2.1x, free text 1.5x over k=0, within noise of each other); k=2
 # was when attention was torch ops (each extra row cost about what a token does).
 DEFAULT_SPECULATIVE_TOKENS = 3
+# Forced tokens appended after one sampled token at most (jump-forward decoding): the next step
+# computes them as one chunk, so this bounds that chunk; a tool call's fixed parts are ~10 tokens.
+JUMP_FORWARD_MAX = 64
 
 
 @dataclass
@@ -58,6 +64,7 @@ class EngineStats:
     num_steps: int = 0
     num_draft_tokens: int = 0  # speculative drafts verified
     num_accepted_tokens: int = 0  # of those, kept (each one a decode step saved)
+    num_forced_tokens: int = 0  # appended by jump-forward decoding (each one a decode step saved)
 
 
 class LLMEngine:
@@ -109,7 +116,8 @@ class LLMEngine:
             self.cache = PagedKVCache(self.layout, num_blocks, torch.device(config.device))
         self.block_manager = BlockManager(num_blocks, config.block_size, root_hash(self.layout))
         self.frame_template = wire.layout_header(self.layout, self.block_manager.root_hash)  # what frames must say
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   slo=SLO(config.slo_ttft_s, config.slo_tpot_s))
         if not parallel:
             on_cpu = config.device == "cpu"
             self.kernels = optimize(self.loaded.model) if config.optimize and on_cpu else []
@@ -129,6 +137,7 @@ class LLMEngine:
         self.speculative_tokens = auto if config.speculative_tokens is None else config.speculative_tokens
         self.ngram_range = (config.speculative_ngram_min, config.speculative_ngram_max)
         self.speculative_max_batch = config.speculative_max_batch
+        self.jump_forward = config.jump_forward
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
@@ -235,7 +244,9 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        began = time.perf_counter()
         logits, sampled = self.runner.run(batch)
+        self.scheduler.step_done(batch, time.perf_counter() - began)
         self.stats.num_steps += 1
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
             # a verify step's drafts count as computed once accepted (_verify)
@@ -255,7 +266,8 @@ class LLMEngine:
             seq = seqs[row]
             rows = range(row, row + 1 + len(seq.draft_token_ids))
             outputs.append(self._verify(seq, rows, tokens, logits) if seq.draft_token_ids else
-                           self._append_token(seq, tokens[row], self._logprob(logits, row, tokens[row], seq)))
+                           self._jump_forward(seq, self._append_token(
+                               seq, tokens[row], self._logprob(logits, row, tokens[row], seq))))
             row = rows.stop
         return outputs
 
@@ -297,6 +309,49 @@ class LLMEngine:
             if j < accepted:  # this draft's KV was computed in the step, with the token it turned out to be
                 seq.num_computed_tokens += 1
                 self.block_manager.register_computed(seq)
+        return self._merged(outs)
+
+    def _jump_forward(self, seq: Sequence, out: RequestOutput) -> RequestOutput:
+        """Append the tokens `seq`'s grammar forces after the one just sampled (jump-forward
+        decoding, as SGLang and llguidance do), in the same output: its fixed text (a tool call's
+        `<tool_call>{"name": "`, a function name once its first token settles it) costs no step per
+        token; the next step computes their KV as one chunk (the scheduler's path for a running
+        sequence with several tokens to compute) and samples the token after them.
+
+        Exact: a token counts as forced only when the mask allows it alone (not EOS), and such a
+        mask decides the sample whatever the logits, seed or position, so the tokens are plain
+        decoding's. Each goes through `_append_token`, which advances the grammar and checks stops,
+        max_tokens and the context length. Not for a request asking for logprobs (a forced token's
+        would need the model's logits), and never past the blocks the pool can give the sequence
+        now: a sequence waiting to compute forced tokens cannot preempt others to grow."""
+        if not self.jump_forward or seq.matcher is None or seq.params.logprobs is not None or out.finished:
+            return out
+        outs = [out]
+        while len(outs) <= JUMP_FORWARD_MAX and not outs[-1].finished and \
+                self.block_manager.can_grow(seq, seq.num_tokens + 1 - seq.num_computed_tokens):
+            token = self._forced_token(seq)
+            if token is None:
+                break
+            outs.append(self._append_token(seq, token))
+            self.stats.num_forced_tokens += len(outs[-1].new_token_ids)  # (none if its grammar failed)
+        return self._merged(outs)
+
+    def _forced_token(self, seq: Sequence) -> int | None:
+        """The one token `seq`'s grammar allows next; None when it allows several, only EOS, or
+        nothing (a failed grammar: the next step's `_append_token` ends the request)."""
+        mask = np.frombuffer(seq.matcher.compute_bitmask(), dtype=np.uint32)
+        words = np.flatnonzero(mask)
+        if len(words) != 1:
+            return None
+        word = int(mask[words[0]])
+        if word & (word - 1):  # more than one bit
+            return None
+        token = int(words[0]) * 32 + word.bit_length() - 1
+        return None if token == self.eos_token_id else token
+
+    @staticmethod
+    def _merged(outs: list[RequestOutput]) -> RequestOutput:
+        """One output for tokens appended in turn in one step (verified drafts, forced tokens)."""
         last = outs[-1]
         if len(outs) == 1:
             return last

@@ -36,11 +36,13 @@ the prefix cache. No sequence is admitted in a step that preempted.
 from __future__ import annotations
 
 import itertools
-from collections import deque
+import time
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from ember.engine.block_manager import BlockManager
 from ember.engine.sequence import SeqStatus, Sequence
+from ember.engine.step_policy import PACK_TOKENS, SLO, StepCosts, StepPlan, plan_step
 
 
 @dataclass
@@ -48,6 +50,7 @@ class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_new_tokens: list[int] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    num_decodes: int = 0  # of seqs, the decoders (one token and its drafts each); the rest prefill
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -59,6 +62,8 @@ class _QueueState:
     passes: int = 0  # steps in which a later arrival got prefill tokens and this one got none
     estimate: int | None = None  # uncached prefill tokens while waiting (None: look it up)
     last_served: int = 0  # when it was last given tokens (a count of grants)
+    arrived_at: float = 0.0  # monotonic seconds: its TTFT runs from here
+    token_at: float = 0.0  # when its last step ended (a decoder's TPOT runs from here)
 
 
 STREAM_TAIL_TOKENS = 128  # a streamed prompt's last chunk: what crosses the link after its prefill ends
@@ -79,9 +84,15 @@ def streamed_chunk(left: int, block_size: int, tail: int = STREAM_TAIL_TOKENS, r
     return left - leave if left - leave >= block_size else left  # (no chunk of less than a block)
 
 
+def _decoding(seq: Sequence) -> bool:
+    """Past its prompt with tokens to compute: one sampled token, or several a grammar forced
+    (jump-forward), all of them decode work (a prompt's recomputation after a preemption is not)."""
+    return seq.num_computed_tokens >= seq.prompt_len and seq.num_tokens > seq.num_computed_tokens
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 *, starvation_steps: int = 8):
+                 *, starvation_steps: int = 8, slo: SLO | None = None, clock=time.monotonic):
         if starvation_steps < 0:
             raise ValueError(f"starvation_steps must be >= 0, got {starvation_steps}")
         self.block_manager = block_manager
@@ -94,9 +105,16 @@ class Scheduler:
         self._state: dict[int, _QueueState] = {}  # by id(seq): Sequence compares by value, not identity
         self._arrivals = itertools.count()
         self._served = 0
+        # the TTFT/TPOT step policy (ember.engine.step_policy); None: every step serves the decodes
+        # first and fills the budget with prefill, one prompt after another (no clock read)
+        self.slo, self.clock = slo, clock
+        self.costs = StepCosts()
+        self.choices: Counter[str] = Counter()  # steps by the policy's choice
+        self.last_plan: StepPlan | None = None
 
     def add(self, seq: Sequence) -> None:
-        self._state[id(seq)] = _QueueState(next(self._arrivals))
+        now = self.clock() if self.slo is not None else 0.0
+        self._state[id(seq)] = _QueueState(next(self._arrivals), arrived_at=now, token_at=now)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
@@ -108,38 +126,24 @@ class Scheduler:
         bm = self.block_manager
         # 1. decodes (one token left to compute) first, in admission order; should the budget
         # not cover them all, the ones left out go first next step (longest since last served)
-        decoders = [s for s in self.running if s.num_tokens - s.num_computed_tokens == 1]
-        if len(decoders) > budget:
-            decoders.sort(key=lambda s: self._st(s).last_served)
-        for seq in decoders:
-            if budget == 0:
-                break
-            if seq.status is not SeqStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            while not bm.can_grow(seq, 1):
-                victim = self.running[-1]
-                budget += self._preempt(victim, batch)
-                if victim is seq:
-                    break
-            if seq.status is not SeqStatus.RUNNING:
-                continue
-            num_new = 1 + len(seq.draft_token_ids)  # its drafts ride along when budget and blocks allow
-            if num_new > 1 and (num_new > budget or not bm.can_grow(seq, num_new)):
-                seq.draft_token_ids, num_new = [], 1
-            bm.grow(seq, num_new)
-            self._put(batch, seq, num_new)
-            budget -= num_new
+        decoders = [s for s in self.running if _decoding(s)]
+        plan = self._plan(decoders)
+        if plan is None or plan.serve_decodes:
+            budget = self._serve_decodes(batch, decoders, budget)
 
         # 2. prefill work, one prompt at a time in queue order; admit only who gets tokens now
-        candidates = [s for s in self.running if s.num_tokens - s.num_computed_tokens > 1]
+        candidates = [s for s in self.running if not _decoding(s) and s.num_tokens - s.num_computed_tokens > 1]
         candidates += self.waiting
         candidates.sort(key=self._queue_key)
         admitting = not batch.preempted
         admitted: set[int] = set()
         served: set[int] = set()
+        if plan is not None and plan.prefill_cap is not None:
+            budget = min(budget, plan.prefill_cap)
+        prefill_tokens = 0
         for seq in candidates:
-            if budget == 0:
-                break
+            if budget == 0 or (plan is not None and prefill_tokens >= PACK_TOKENS):
+                break  # (under the policy a step finishes one prompt, small ones packed: TTFT first)
             if seq.status is SeqStatus.WAITING:
                 if not admitting or len(self.running) >= self.max_num_seqs:
                     continue
@@ -164,8 +168,14 @@ class Scheduler:
             self._put(batch, seq, num_new)
             served.add(id(seq))
             budget -= num_new
+            prefill_tokens += num_new
         if admitted:
             self.waiting = deque(s for s in self.waiting if id(s) not in admitted)
+        if plan is not None and not plan.serve_decodes and not batch.seqs and decoders:
+            # no prompt could start after all (no blocks, no seat): the decodes' step, not an empty one
+            self.choices[plan.choice] -= 1
+            self.choices["decode"] += 1
+            self._serve_decodes(batch, decoders, self.max_num_batched_tokens)
 
         # 3. starvation bookkeeping: passed over = got nothing while a later arrival got tokens
         if served:
@@ -175,6 +185,71 @@ class Scheduler:
                 if id(seq) not in served and st.arrival < latest:
                     st.passes += 1
         return batch
+
+    def _serve_decodes(self, batch: ScheduledBatch, decoders: list[Sequence], budget: int) -> int:
+        """Give each decoder its token (and drafts), preempting the newest when blocks run out;
+        returns the budget left."""
+        bm = self.block_manager
+        if len(decoders) > budget:
+            decoders.sort(key=lambda s: self._st(s).last_served)
+        for seq in decoders:
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            while not bm.can_grow(seq, 1):
+                victim = self.running[-1]
+                budget += self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            pending = seq.num_tokens - seq.num_computed_tokens  # > 1: tokens a grammar forced (jump-forward)
+            num_new = pending + len(seq.draft_token_ids)  # its drafts ride along when budget and blocks allow
+            if num_new > 1 and (num_new > budget or not bm.can_grow(seq, num_new)):
+                seq.draft_token_ids = []
+                num_new = min(pending, budget) if bm.can_grow(seq, min(pending, budget)) else 1
+            bm.grow(seq, num_new)
+            self._put(batch, seq, num_new)
+            batch.num_decodes += 1
+            budget -= num_new
+        return budget
+
+    def _plan(self, decoders: list[Sequence]) -> StepPlan | None:
+        """This step's choice under the TTFT/TPOT policy (None: no policy), counted in `choices`."""
+        if self.slo is None:
+            return None
+        candidates = [s for s in self.running if not _decoding(s) and s.num_tokens - s.num_computed_tokens > 1]
+        if len(self.running) < self.max_num_seqs:
+            candidates += self.waiting
+        now = self.clock()
+        head_tokens, at_risk = 0, False
+        if candidates:
+            head = min(candidates, key=self._queue_key)
+            head_tokens = min(self._remaining(head), self.max_num_batched_tokens)
+            at_risk = any(now - self._st(s).arrived_at + self.costs.prefill_s(self._remaining(s)) >= self.slo.ttft_s
+                          for s in candidates)
+        waited = max((now - self._st(s).token_at for s in decoders), default=0.0)
+        plan = plan_step(self.slo, self.costs, len(decoders), waited, head_tokens, at_risk,
+                         self.block_manager.block_size)
+        self.choices[plan.choice] += 1
+        self.last_plan = plan
+        return plan
+
+    def _remaining(self, seq: Sequence) -> int:
+        """Prefill tokens `seq` still needs (a waiting one's after its prefix-cache hits)."""
+        key = self._queue_key(seq)
+        return key[1] if key[0] == 1 else seq.num_tokens - seq.num_computed_tokens
+
+    def step_done(self, batch: ScheduledBatch, seconds: float) -> None:
+        """The engine ran `batch` in `seconds`: learn its cost, stamp its sequences' token time."""
+        if self.slo is None:
+            return
+        now = self.clock()
+        decode_tokens = sum(batch.num_new_tokens[:batch.num_decodes])  # (decoders come first)
+        self.costs.observe(batch.num_decodes, sum(batch.num_new_tokens) - decode_tokens, seconds)
+        for seq in batch.seqs:
+            self._st(seq).token_at = now
 
     def _st(self, seq: Sequence) -> _QueueState:
         st = self._state.get(id(seq))

@@ -61,6 +61,7 @@ class Decision:
     estimate: Estimate
     candidates: tuple[Estimate, ...]
     reason: str
+    colocated: bool = False  # the decode worker prefills itself (sites on one host; no Prefill call)
 
     def summary(self) -> str:
         e = self.estimate
@@ -70,6 +71,9 @@ class Decision:
 
 
 _MAX_SESSIONS = 1 << 17
+# Moving KV between engines on one host (the shared-memory arena, verify, import), bytes/s: the
+# same-host read (~5.4 GB/s, BENCHMARKS.md) halved for the frames' checks and the copy into the pool.
+SAME_HOST_BYTES_PER_S = 2.5e9
 
 
 class NoCapacity(RuntimeError):
@@ -134,6 +138,10 @@ class Placer:
         tier = {"central": "central", "edge": "edge", "ember": "edge"}.get(self.kind)
         self._candidates = {r: [c for c in near if self.tier[c[1]] == tier] or near for r, near in self.nearest.items()}
         self.affinity: OrderedDict[str, str] = OrderedDict()  # session -> decode site, most recent last
+        # engines sharing a machine (ClusterConfig.shares_host): the share of its cores each one's
+        # prefill gets, and whether the decode engine may prefill itself (colocated)
+        self.core_share = {s.name: _core_share(config, s.name) for s in config.sites}
+        self.pinned = {s.name: _pinned(config, s.name) for s in config.sites}
 
     # -- decode ----------------------------------------------------------------------------
     def _decode_site(self, request: Request, load: Load) -> tuple[str, str]:
@@ -234,11 +242,51 @@ class Placer:
             return None
         return Estimate(best_site, *parts, 0 if best_site == decode_site else kv_bytes)
 
+    # -- one host: colocated or disaggregated ---------------------------------------------------
+    def shared_host(self, request: Request, prefill_site: str, decode_site: str, load: Load) -> Decision | None:
+        """Prefill and decode sites on one machine: price prefill at the prefill worker (its share of
+        the cores, then the KV moved and imported on the host) against the decode worker prefilling
+        itself (colocated: its cache holds the whole conversation, answers included; nothing moves;
+        its running decodes take steps too); the cheaper for this request, or None when the sites
+        do not share a host."""
+        if prefill_site == decode_site or not self.config.shares_host(prefill_site, decode_site):
+            return None
+        apart = self._host_estimate(prefill_site, decode_site, request, load)
+        together = self._host_estimate(decode_site, decode_site, request, load)
+        forced = self.policy.shared_host
+        best = apart if forced == "disaggregated" else together if forced == "colocated" else \
+            min((together, apart), key=lambda e: e.total_s)  # (a tie: colocated, nothing moves)
+        how = ("colocated on the decode worker" if best is together else "disaggregated") + \
+            ("" if forced == "auto" else f" (placement.shared_host: {forced})")
+        return Decision(best.site, decode_site, best, (apart, together),
+                        f"prefill and decode sites share a host: {how}", colocated=best is together)
+
+    def _host_estimate(self, site: str, decode_site: str, request: Request, load: Load) -> Estimate:
+        bs = self.block_size
+        cached = min(request.cached_blocks.get(site, 0) * bs, request.prompt_tokens - 1)
+        uncached = request.prompt_tokens - cached
+        others_busy = sum(1 for s in self.tier if s != site and self.config.shares_host(s, site)
+                          and (load.prefill_queue_s.get(s, 0.0) > 0 or load.decode_running.get(s, 0) > 0))
+        share = self.core_share[site] / (1 if self.pinned[site] else 1 + others_busy)
+        prefill_s = self.profiles[site].prefill_s(uncached, cached) / max(share, 1e-3)
+        queue_s = load.prefill_queue_s.get(site, 0.0)
+        if site == decode_site:  # its decodes run beside: one decode step per prefill chunk at most
+            chunks = -(-uncached // self.config.engine.max_num_batched_tokens)
+            queue_s += chunks * self.profiles[site].step_s(load.decode_running.get(site, 0)) \
+                if load.decode_running.get(site, 0) else 0.0
+            return Estimate(site, queue_s, prefill_s, 0.0, uncached, 0)
+        have = request.cached_blocks.get(decode_site, 0)
+        kv_bytes = max(0, request.prompt_tokens // bs - have) * bs * self.kv_bytes_per_token
+        return Estimate(site, queue_s, prefill_s, kv_bytes / SAME_HOST_BYTES_PER_S, uncached, kv_bytes)
+
     def place(self, request: Request, load: Load, keep_candidates: bool = True) -> Decision:
         """The decision; `keep_candidates=False` skips building every candidate's Estimate (the
         simulator's hot path), keeping only the winner's."""
         if self.kind == "fixed" or (not self.nearest and request.region is None):
             d, p = self.policy.decode_site, self.policy.prefill_site
+            host = self.shared_host(request, p, d, load)
+            if host is not None:
+                return host
             est = self.estimate(p, d, request, load) or Estimate(p, 0.0, 0.0, 0.0, request.prompt_tokens, 0)
             return Decision(p, d, est, (est,), "fixed placement")
         decode_site, why = self._decode_site(request, load)
@@ -260,3 +308,33 @@ class Placer:
                 self.affinity.popitem(last=False)
         where = "at the decode site" if best.site == decode_site else "remote"
         return Decision(best.site, decode_site, best, estimates, f"{self.kind}: decode {why}; prefill {where}")
+
+
+def _engine_cores(config: ClusterConfig, role: str, site: str) -> tuple[int, bool]:
+    """(cores one `role` engine of `site` computes on, whether they are its own: pinned)."""
+    from ember.config.services import host_cpu_sets
+    from ember.util.cpus import host_cpus, parse_cpus
+    e = config.engine.for_role(role)
+    host = len(host_cpus())
+    cpus = e.cpus if e.cpus != "auto" else host_cpu_sets(config).get((role, site, 0))
+    if cpus:
+        return len(parse_cpus(cpus)), True
+    return min(host, e.threads or host), False
+
+
+def _core_share(config: ClusterConfig, site: str) -> float:
+    """The share of its host's cores a site's prefill runs on: its prefill engine's, else (a decode
+    site prefilling itself) its decode engine's; 1 for a site on hardware of its own."""
+    from ember.util.cpus import host_cpus
+    s = config.site(site)
+    if config.host_of(site) is None or not (s.has("prefill") or s.has("decode")):
+        return 1.0
+    cores, _ = _engine_cores(config, "prefill" if s.has("prefill") else "decode", site)
+    return cores / len(host_cpus())
+
+
+def _pinned(config: ClusterConfig, site: str) -> bool:
+    s = config.site(site)
+    if config.host_of(site) is None or not (s.has("prefill") or s.has("decode")):
+        return True
+    return _engine_cores(config, "prefill" if s.has("prefill") else "decode", site)[1]

@@ -88,6 +88,13 @@ class _EngineCounters:
                                   value=snap.draft_tokens)
         yield CounterMetricFamily("ember:spec_decode_num_accepted_tokens", "Drafts kept (each a decode step saved)",
                                   value=snap.accepted_tokens)
+        yield CounterMetricFamily("ember:jump_forward_tokens", "Grammar-forced tokens appended without a decode "
+                                  "step of their own (jump-forward decoding)", value=snap.forced_tokens)
+        steps = CounterMetricFamily("ember:scheduler_steps", "Engine steps by what the TTFT/TPOT step policy "
+                                    "chose (ember.engine.step_policy)", labels=["choice"])
+        for choice, count in snap.step_choices:
+            steps.add_metric([choice], count)
+        yield steps
         if snap.expert_tokens:  # a mixture-of-experts model: the load on each expert (and its rank)
             experts = CounterMetricFamily("ember:moe_expert_tokens", "Tokens routed to each expert, over all "
                                           "MoE layers, since start", labels=["expert", "rank"])

@@ -135,7 +135,9 @@ class EngineCore:
                 "blocks_grpc": getattr(self.connector, "blocks_grpc", 0),
                 "frames_forged": getattr(self.connector, "frames_forged", 0),  # refused: their MAC failed
                 "preemptions": engine.scheduler.num_preemptions, "evictions": bm.num_evictions,
+                "step_choices": dict(engine.scheduler.choices),
                 "draft_tokens": engine.stats.num_draft_tokens, "accepted_tokens": engine.stats.num_accepted_tokens,
+                "forced_tokens": engine.stats.num_forced_tokens,
                 **vars(self.tiers)}
 
     def snapshot(self) -> Snapshot:
@@ -144,7 +146,8 @@ class EngineCore:
         return Snapshot(len(engine.scheduler.running), len(engine.scheduler.waiting) + len(self.pending),
                         bm.num_used_blocks, bm.num_blocks, t.tokens_l1, t.tokens_l2, t.tokens_computed,
                         engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens,
-                        tuple(engine.expert_tokens()), engine.expert_ranks)
+                        engine.stats.num_forced_tokens, tuple(engine.expert_tokens()), engine.expert_ranks,
+                        tuple(engine.scheduler.choices.items()))
 
     # -- the loop turn -----------------------------------------------------------------------
     def has_work(self) -> bool:

@@ -78,8 +78,10 @@ class Snapshot:
     tokens_computed: int = 0
     draft_tokens: int = 0  # speculative drafts verified, since start
     accepted_tokens: int = 0  # of those, kept
+    forced_tokens: int = 0  # appended by jump-forward decoding (grammar-forced), since start
     expert_tokens: tuple[int, ...] = ()  # a MoE model's tokens routed to each expert, since start
     expert_ranks: tuple[int, ...] = ()  # the expert-parallel rank holding each expert
+    step_choices: tuple[tuple[str, int], ...] = ()  # steps by the step policy's choice, since start
 
 
 @dataclass(frozen=True)

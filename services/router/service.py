@@ -343,6 +343,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
         # a live decode worker first: never spend prefill on a dead decode site
         decoder = await self._decode_worker(placement, ())
         decoder.running += 1  # counted at the pick: a burst spreads over the workers before any Decode starts
+        colocated_s = 0.0  # the prefill work a colocated request adds to its decode site until its first token
         try:
             log.info("%s: %s%s", request_id, decision.summary(), f" (user {request.user!r})" if request.user else "")
             usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=1)
@@ -353,7 +354,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
                                                      block_hashes=hashes, cache_salt=salt, shared_blocks=shared)
 
             prefill_req.stream_to = self.stream_targets.get((placement.prefill_site, placement.decode_site), "")
-            pre = await self._prefill(prefill_req, placement, est.prefill_s, context)
+            if decision.colocated:
+                pre, colocated_s = None, est.prefill_s
+                self.load.prefill_queue_s[decision.decode_site] = \
+                    self.load.prefill_queue_s.get(decision.decode_site, 0.0) + colocated_s
+            else:
+                pre = await self._prefill(prefill_req, placement, est.prefill_s, context)
             emitted: list[int] = []
             if pre is not None:
                 first_at = time.perf_counter()
@@ -397,6 +403,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     async for d in _messages(stream, self.stall_timeout_s):
                         now = time.perf_counter()
                         if d.token_ids:
+                            if colocated_s:
+                                self._unqueue(decision.decode_site, colocated_s)
+                                colocated_s = 0.0
                             if first_at is None:  # decode-only fallback: its first token is the first token
                                 first_at = now
                                 timings.ttft_s = now - received
@@ -440,6 +449,12 @@ class RouterService(router_pb2_grpc.RouterServicer):
         finally:
             if decoder is not None:  # never reached Decode (prefill failed, or finished the request)
                 decoder.running -= 1
+            if colocated_s:
+                self._unqueue(decision.decode_site, colocated_s)
+
+    def _unqueue(self, site: str, seconds: float) -> None:
+        queue = self.load.prefill_queue_s
+        queue[site] = max(0.0, queue.get(site, 0.0) - seconds)
 
 
     async def _decode_worker(self, placement, failed: tuple[Worker, ...]) -> Worker:
