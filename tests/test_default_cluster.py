@@ -57,3 +57,19 @@ def _decode_metrics(run_dir) -> dict[str, float]:
     services = json.loads((run_dir / "services.json").read_text())
     [decode] = [s for name, s in services.items() if name.startswith("decode")]
     return scrape(decode["metrics"])
+
+
+def test_colocated_and_disaggregated_placements_give_the_same_tokens(default_cluster, tmp_path):
+    """The shipped cluster's two sites share this host: a router forced to each shared-host placement
+    (placement.shared_host) serves the same tokens, and says where prefill ran."""
+    prompt = [{"role": "user", "content": LONG_TEXT[:900] + "\n\nSummarise it in one line."}]
+    answers = {}
+    for mode in ("disaggregated", "colocated"):
+        with default_cluster.cluster.second_router(tmp_path / mode, placement={"shared_host": mode}) as (r, _), \
+                RouterClient(r["listen"]) as client:
+            out = client.complete(messages=prompt, max_tokens=NEW_TOKENS, ignore_eos=True, timeout=300)
+        placement = out.final.placement
+        assert mode in placement.reason, placement.reason
+        assert placement.prefill_site == ("edge" if mode == "colocated" else "central")
+        answers[mode] = out.token_ids
+    assert answers["colocated"] == answers["disaggregated"]
