@@ -10,7 +10,8 @@ cluster when the suite moves on to the next: one cluster is up at a time (each h
 Configs:
 - exact: the two-site cluster of tests/cluster_fixture.write_config, fp32 dense weights, whose
   tokens are checked against transformers;
-- default: the shipped configs/local.yaml on free ports (the GGUF's Q4_1 codes, as users run it);
+- default: the shipped configs/local.yaml on free ports (the GGUF's Q4_1 codes, as users run it), its
+  prefill always at the prefill worker (placement.shared_host: disaggregated);
 - ha: the shipped configs/local-ha.yaml on free ports (two prefill, two decode workers).
 """
 from __future__ import annotations
@@ -36,8 +37,17 @@ def _exact(run_dir: Path, model: str) -> dict:
 
 def _shipped(name: str) -> Callable[[Path, str], dict]:
     def write(run_dir: Path, model: str) -> dict:
+        import yaml
+
         from ember.cluster.ports import on_free_ports
         router = on_free_ports(ROOT / "configs" / name, run_dir / "cluster.yaml", model)["router"]
+        # The suite's tests of the shipped cluster look at its disaggregated path (prefill spans, KV
+        # moved between the sites, a prefill worker killed): its shared-host placement (auto) would
+        # colocate most of their requests. That choice has tests of its own (test_ttft_first,
+        # test_default_cluster's routers forced to each placement).
+        data = yaml.safe_load((run_dir / "cluster.yaml").read_text())
+        data.setdefault("placement", {})["shared_host"] = "disaggregated"
+        (run_dir / "cluster.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
         return {"router": router["listen"], "router_http": router.get("http")}
     return write
 

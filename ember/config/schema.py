@@ -197,9 +197,10 @@ class PlacementSection(Section):
     emulate_links: bool = Field(False, description="`ember up` relays every inter-site hop through an emulated "
                                                    "link (RTT, bandwidth)")
     shared_host: Literal["auto", "colocated", "disaggregated"] = Field(
-        "auto", description="fixed prefill and decode sites on one host (site.host): auto prices, per request, "
-                            "the decode worker prefilling itself against the prefill worker; colocated or "
-                            "disaggregated always take that one")
+        "disaggregated", description="fixed prefill and decode sites on one host (site.host): auto prices, per "
+                                     "request, the decode worker prefilling itself against the prefill worker (the "
+                                     "shipped local configs); colocated or disaggregated (the default: a config "
+                                     "that names two sites means two) always take that one")
 
 
 class RoleEngineSettings(Section):
