@@ -22,6 +22,7 @@ from ember.config.section import record_reads
 from ember.config.services import engine_settings, kvstore_settings, router_settings, security_settings, services
 from ember.engine.config import EngineSettings
 from ember.placement.cli import main_for_tests
+from ember.util.cpus import format_cpus, host_cpus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -67,12 +68,14 @@ def test_one_rule_for_q4_and_its_dtype_wherever_it_is_set():
 def test_per_role_engine_settings_override_only_their_role(model_path):
     data = local()
     data["model"] = str(model_path)
-    data["engine"]["decode"] = {"max_num_seqs": 8, "threads": 1}
+    data["engine"]["decode"] = {"max_num_seqs": 8, "threads": 1, "cpus": "0"}
+    data["engine"]["threads"] = 2
     config = config_from_dict(data, ROOT)
     _, decode = engine_settings(config, "decode", "edge")
     _, prefill = engine_settings(config, "prefill", "central")
-    assert (decode.max_num_seqs, decode.threads) == (8, 1)
+    assert (decode.max_num_seqs, decode.threads, decode.cpus) == (8, 1, "0")
     assert (prefill.max_num_seqs, prefill.threads) == (ClusterConfig.model_fields["engine"].default.max_num_seqs, 2)
+    assert prefill.cpus != "auto"  # resolved: a set of this host's cores, or None (not pinned)
 
 
 def test_paths_resolve_against_the_config_file_and_named_models_against_the_cache(tmp_path, model_path):
@@ -106,8 +109,8 @@ def test_config_check_prints_every_setting_with_its_source(tmp_path, capsys, mod
     assert main_for_tests(["config", "check", str(path)]) == 0
     out = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line and line[0] != "#"}
     line_of = {k: i + 1 for i, k in enumerate(path.read_text().splitlines())}
-    threads_line = next(i for k, i in line_of.items() if k.strip().startswith("threads:"))
-    assert out["engine.threads"].split()[1] == "2" and out["engine.threads"].endswith(f"cluster.yaml:{threads_line}")
+    cpus_line = next(i for k, i in line_of.items() if k.strip().startswith("cpus:"))
+    assert out["engine.cpus"].split()[1] == "auto" and out["engine.cpus"].endswith(f"cluster.yaml:{cpus_line}")
     assert out["engine.block_size"].endswith("# default")
     assert out["router.site"].split()[1] == "edge" and "placement.decode_site" in out["router.site"]
     assert out["derived.kv_bytes_per_token"].split()[1] == "23040" and "bfloat16" in out["derived.kv_bytes_per_token"]
@@ -159,7 +162,8 @@ def full_config(model_path: Path) -> dict:
                    "cpus": "auto",
                    "prefill": {"kv_cache_mb": 64, "kv_cache_memory_fraction": 0.02, "max_num_seqs": 4,
                                "max_num_batched_tokens": 256, "threads": 1},
-                   "decode": {"max_num_seqs": 8, "cpus": "0"}},
+                   # (every core this process may use: the engine built in-process pins its caller)
+                   "decode": {"max_num_seqs": 8, "cpus": format_cpus(host_cpus())}},
         "kvstore": {"capacity_mb": 64, "codec": "planes", "shared_memory": True, "shm_socket": "@ember-test"},
         "directory": {"url": "redis://127.0.0.1:1/0", "ttl_s": 30},
         "security": {"tls": "files", "tls_dir": "certs/{name}"},

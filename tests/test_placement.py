@@ -177,8 +177,11 @@ def test_baselines_and_fixed_placement():
     d = edge.place(req(6000), Load())
     assert (d.prefill_site, d.decode_site) == ("west", "west")
     local = load_config("configs/local.yaml")
-    d = Placer(local).place(Request(100), Load())
-    assert (d.prefill_site, d.decode_site, local.placement.policy) == ("central", "edge", "fixed")
+    d = Placer(local).place(Request(100), Load())  # one host (shared_host: auto): nothing cached, nothing moves
+    assert (d.prefill_site, d.decode_site, local.placement.policy, d.colocated) == ("edge", "edge", "fixed", True)
+    apart = local.model_copy(update={"placement": local.placement.model_copy(update={"shared_host": "disaggregated"})})
+    d = Placer(apart).place(Request(100), Load())
+    assert (d.prefill_site, d.decode_site, d.colocated) == ("central", "edge", False)
 
 
 def test_simulator_ember_beats_both_baselines_on_p95_ttft():

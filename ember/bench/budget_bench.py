@@ -140,6 +140,7 @@ def main(args) -> int:
         try:
             engine = LLMEngine(EngineConfig(model=args.model, threads=threads,
                                             kv_cache_mb=args.kv_cache_mb, **cfg))
+            engine.scheduler.slo = None  # every step: all the decodes plus the chunk under test
         except (RuntimeError, ValueError) as e:  # a config this machine cannot load
             progress(f"{name}: cannot run here: {e}")
             result["configs"][name] = {"error": str(e)}

@@ -45,7 +45,11 @@ def default_engine(threads: int | None):
     _, engine_config = engine_settings(config, "decode", site)
     if threads:
         engine_config = engine_config.model_copy(update={"threads": threads})
-    return LLMEngine(engine_config)
+    engine = LLMEngine(engine_config)
+    # this bench steps a fixed batch and times each step's mask work: every step one token per request
+    # (no prefill-first step skipping the decodes, no grammar-forced runs computed in one step)
+    engine.scheduler.slo, engine.jump_forward = None, False
+    return engine
 
 
 class _Timed:

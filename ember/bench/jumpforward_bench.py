@@ -1,7 +1,7 @@
 """`ember bench jumpforward`: what jump-forward decoding saves on a tool call, on the shipped default engine.
 
-One request, greedy: a user question with two tools offered, `tool_choice: required` (the grammar
-of services/router/tools.py, as the router builds it). Run with jump-forward on and off on one
+One request, greedy: a user question with two tools offered, the answer constrained to a call of
+one of them (a JSON schema of the call). Run with jump-forward on and off on one
 in-process engine (the switch flipped between runs, ABAB, the prompt's blocks cached by the warm-up
 so both runs prefill the same few tokens): engine steps, forced tokens, wall time to the complete
 call, and whether the tokens are the same.
@@ -30,6 +30,11 @@ TOOLS = [{"type": "function", "function": {
              "name": "get_time", "description": "The current time in a time zone",
              "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}]
 QUESTION = "What is the weather in Paris, and what time is it there?"
+# a call of one of TOOLS, as a JSON schema (the router's own tool grammar lives in services/, which
+# ember/ never imports: same fixed parts, the name and "arguments" keys, forced the same way)
+CALL_SCHEMA = {"anyOf": [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                          "properties": {"name": {"const": t["function"]["name"]},
+                                         "arguments": t["function"]["parameters"]}} for t in TOOLS]}
 
 
 def default_engine(model: str):
@@ -59,15 +64,17 @@ def one_call(engine, prompt: list[int], params) -> dict:
 
 
 def main(args) -> int:
+    import json
+
     from ember.engine.sampling_params import Constraint, SamplingParams
-    from ember.services.router import tools as T
     reps = 2 if args.quick else 7
     engine = default_engine(str(Path(args.model).resolve()))
     progress(f"engine: weights={engine.config.weights} dtype={engine.config.dtype} (the shipped default config)")
-    messages, extra = T.render([{"role": "user", "content": QUESTION}], TOOLS, T.template_knows_tools(
-        engine.tokenizer.chat_template))
-    prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages, **extra))
-    params = SamplingParams(max_tokens=120, constraint=Constraint("lark", T.grammar(TOOLS, "required")))
+    messages = [{"role": "system", "content": "Answer with one tool call as JSON, "
+                 '{"name": ..., "arguments": {...}}. Tools: ' + json.dumps(TOOLS)},
+                {"role": "user", "content": QUESTION}]
+    prompt = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
+    params = SamplingParams(max_tokens=120, constraint=Constraint("json_schema", json.dumps(CALL_SCHEMA)))
     runs: dict[str, list[dict]] = {"on": [], "off": []}
     for rep in range(reps + 1):
         for mode in ("on", "off"):

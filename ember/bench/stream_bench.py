@@ -31,6 +31,7 @@ def linked_config(run_dir: Path, stream: bool, model: str | None, engine: dict |
     data = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
     data["router"]["site"] = "edge"
     data["placement"]["emulate_links"] = True
+    data["placement"]["shared_host"] = "disaggregated"  # (the sites stand for two hosts behind the link)
     data["links"] = [{"a": "central", "b": "edge", "rtt_ms": RTT_MS, "bandwidth_gbps": GBPS}]
     data.setdefault("kvstore", {})["stream_prefill"] = stream
     if engine is not None:

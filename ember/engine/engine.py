@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import os
 import random
 import time
 from dataclasses import dataclass, replace
@@ -69,6 +70,8 @@ class EngineStats:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig = EngineConfig(), loaded: LoadedModel | None = None):
+        if config.pinned_cpus():  # engine.cpus: before any thread starts (torch's and the kernels' pools inherit it)
+            os.sched_setaffinity(0, config.pinned_cpus())
         torch.set_num_threads(config.torch_threads())
         self.config = config
         # ranks load their parts (ember.parallel)

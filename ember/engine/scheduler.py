@@ -85,9 +85,10 @@ def streamed_chunk(left: int, block_size: int, tail: int = STREAM_TAIL_TOKENS, r
 
 
 def _decoding(seq: Sequence) -> bool:
-    """Past its prompt with tokens to compute: one sampled token, or several a grammar forced
-    (jump-forward), all of them decode work (a prompt's recomputation after a preemption is not)."""
-    return seq.num_computed_tokens >= seq.prompt_len and seq.num_tokens > seq.num_computed_tokens
+    """One token left to compute, or past its prompt with several (tokens a grammar forced:
+    jump-forward): decode work (a prompt's recomputation after a preemption is not)."""
+    left = seq.num_tokens - seq.num_computed_tokens
+    return left == 1 or (left > 1 and seq.num_computed_tokens >= seq.prompt_len)
 
 
 class Scheduler:
@@ -132,7 +133,7 @@ class Scheduler:
             budget = self._serve_decodes(batch, decoders, budget)
 
         # 2. prefill work, one prompt at a time in queue order; admit only who gets tokens now
-        candidates = [s for s in self.running if not _decoding(s) and s.num_tokens - s.num_computed_tokens > 1]
+        candidates = [s for s in self.running if not _decoding(s)]
         candidates += self.waiting
         candidates.sort(key=self._queue_key)
         admitting = not batch.preempted
@@ -219,7 +220,7 @@ class Scheduler:
         """This step's choice under the TTFT/TPOT policy (None: no policy), counted in `choices`."""
         if self.slo is None:
             return None
-        candidates = [s for s in self.running if not _decoding(s) and s.num_tokens - s.num_computed_tokens > 1]
+        candidates = [s for s in self.running if not _decoding(s)]
         if len(self.running) < self.max_num_seqs:
             candidates += self.waiting
         now = self.clock()

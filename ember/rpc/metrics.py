@@ -94,7 +94,8 @@ class _EngineCounters:
                                     "chose (ember.engine.step_policy)", labels=["choice"])
         for choice, count in snap.step_choices:
             steps.add_metric([choice], count)
-        yield steps
+        if snap.step_choices:
+            yield steps
         if snap.expert_tokens:  # a mixture-of-experts model: the load on each expert (and its rank)
             experts = CounterMetricFamily("ember:moe_expert_tokens", "Tokens routed to each expert, over all "
                                           "MoE layers, since start", labels=["expert", "rank"])

@@ -58,10 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.tls_dir:
             from ember.rpc import security
             security.install(security.Credentials.load(args.tls_dir))
-        config = EngineConfig(**json.loads(args.config))
-        if config.pinned_cpus():  # before any thread starts: torch's and the kernels' pools inherit it
-            os.sched_setaffinity(0, config.pinned_cpus())
-        engine = LLMEngine(config)
+        engine = LLMEngine(EngineConfig(**json.loads(args.config)))  # (pinned to engine.cpus, if set)
         engine.grammars.tokenizer  # noqa: B018 - prepared now (~0.3 s), not in the batch of the first constrained request
         connector = None
         if args.kvstore:
