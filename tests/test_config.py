@@ -20,6 +20,7 @@ from ember.config.load import _model_in, config_from_dict, load_config
 from ember.config.schema import ClusterConfig
 from ember.config.section import record_reads
 from ember.config.services import engine_settings, kvstore_settings, router_settings, security_settings, services
+from ember.config.weights import weight_store_settings
 from ember.engine.config import EngineSettings
 from ember.placement.cli import main_for_tests
 from ember.util.cpus import format_cpus, host_cpus
@@ -164,7 +165,8 @@ def full_config(model_path: Path) -> dict:
                                "max_num_batched_tokens": 256, "threads": 1},
                    # (every core this process may use: the engine built in-process pins its caller)
                    "decode": {"max_num_seqs": 8, "cpus": format_cpus(host_cpus())}},
-        "kvstore": {"capacity_mb": 64, "codec": "planes", "shared_memory": True, "shm_socket": "@ember-test"},
+        "kvstore": {"capacity_mb": 64, "codec": "planes", "shared_memory": True, "shm_socket": "@ember-test",
+                    "chunks_dir": "/tmp/ember-test-chunks", "chunks_capacity_mb": 512, "chunks_codec": "raw"},
         "directory": {"url": "redis://127.0.0.1:1/0", "ttl_s": 30},
         "security": {"tls": "files", "tls_dir": "certs/{name}"},
     }
@@ -208,6 +210,7 @@ def test_every_documented_key_is_read_by_a_service(tmp_path, model_path):
             security_settings(config, svc.name, env={})
             if svc.role == "kvstore":
                 kvstore_settings(config, svc.site)
+                weight_store_settings(config, svc.site)  # (its model chunks: services/kvstore/__main__.py)
             elif svc.role in ("prefill", "decode"):
                 engines[svc.name] = engine_settings(config, svc.role, svc.site)[1]
         for policy in ("ember", "central", "edge", "fixed"):

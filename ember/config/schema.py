@@ -254,6 +254,15 @@ class KVStoreSection(Section):
     max_lease_s: float = Field(30.0, gt=0, le=3600, description="longest lease a kvstore grants on blocks; a longer "
                                                                 "request is granted this (holders renew within "
                                                                 "it), so a dead holder's blocks free within it")
+    chunks_dir: str | None = Field(None, description="where each kvstore keeps model weight chunks at rest (a "
+                                                     "folder per site inside it); unset: the user cache's "
+                                                     "chunks/<site>")
+    chunks_capacity_mb: int = Field(4096, gt=0, description="stored (compressed) chunk bytes each kvstore holds on "
+                                                            "disk; beyond it, least recently used models no worker "
+                                                            "of the site holds are evicted")
+    chunks_codec: Literal["auto", "raw"] = Field("auto", description="model chunks at rest and on the wire: auto "
+                                                                     "keeps the smallest lossless coding per chunk, "
+                                                                     "raw stores and sends them uncompressed")
 
 
 class DirectorySection(Section):

@@ -35,6 +35,12 @@ POLICY: dict[str, frozenset[str] | None] = {
     "/ember.v1.KVStore/Acquire": ENGINES,
     "/ember.v1.KVStore/Renew": ENGINES,
     "/ember.v1.KVStore/Release": ENGINES,
+    # model weight chunks: workers fetch a model through their site's store, stores from each other
+    "/ember.v1.WeightStore/GetManifest": ENGINES | {"kvstore"},
+    "/ember.v1.WeightStore/GetWeightChunks": ENGINES | {"kvstore"},
+    "/ember.v1.WeightStore/PullModel": ENGINES,
+    "/ember.v1.WeightStore/RenewModel": ENGINES,
+    "/ember.v1.WeightStore/WeightStats": ANY,
     # engines take work from the router only
     "/ember.v1.Prefill/Prefill": frozenset({"router"}),
     "/ember.v1.Decode/Decode": frozenset({"router"}),

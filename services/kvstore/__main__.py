@@ -8,6 +8,7 @@ import os
 
 from ember.cluster.wan import parse_routes
 from ember.config.services import kvstore_settings
+from ember.config.weights import weight_store_settings
 from ember.kv import bulk, transfer
 from ember.kv.shm import ArenaServer
 from ember.rpc import metrics, security
@@ -16,13 +17,17 @@ from ember.rpc.server import Server, bind_address, run_service
 from ember.services.common import service_args
 from ember.services.kvstore.publisher import Publisher
 from ember.services.kvstore.service import KVStoreService
+from ember.services.kvstore.chunk_store import ChunkStore
 from ember.services.kvstore.store import BlockStore
+from ember.services.kvstore.weights import WeightStoreService
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 
 async def main(args) -> None:
     s = kvstore_settings(args.cluster, args.site)
-    server = Server(s.listen, [kvstore_pb2.DESCRIPTOR.services_by_name["KVStore"].full_name])
+    w = weight_store_settings(args.cluster, args.site)
+    server = Server(s.listen, [kvstore_pb2.DESCRIPTOR.services_by_name[name].full_name
+                               for name in ("KVStore", "WeightStore")])
     store = BlockStore(s.capacity_mb * 2**20, max_lease_s=s.max_lease_s)
     metrics.watch_store(store)
     metrics.serve(args.metrics_listen)
@@ -34,6 +39,9 @@ async def main(args) -> None:
                              routes=parse_routes(args.route), peers=set(s.peers),
                              tls=None if creds is None else creds.client_context(), link_GBps=dict(s.link_GBps))
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, server.server)
+    weights = WeightStoreService(ChunkStore(w.chunks_dir, w.capacity_bytes), w.peers, parse_routes(args.route),
+                                 w.codec, w.seed_model, s.max_lease_s)
+    kvstore_pb2_grpc.add_WeightStoreServicer_to_server(weights, server.server)
     server.server.add_generic_rpc_handlers((bulk.handler(store.pinned, service.put_frame, service.expect),))
     data_server = None
     if s.data_listen:
@@ -46,6 +54,7 @@ async def main(args) -> None:
 
     async def stop():
         await publisher.stop()
+        await weights.close()
         if data_server is not None:
             data_server.close()
         if arena is not None:
