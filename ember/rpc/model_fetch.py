@@ -1,0 +1,237 @@
+"""A worker whose model file is missing fetches it through its site's kvstore (WeightStore RPCs).
+
+`ensure_model_file(path, kvstore, creds)`: when `path` exists, nothing happens (no network). Else the
+site kvstore is asked for the manifest of a model of that name (it asks its peers when it lacks it),
+pulls and pins every chunk (from the cheapest peer site that has them), and streams them here; each
+chunk is decoded and checked against its sha256, then written at its offset into a temporary file
+beside `path` (a folder for an HF model). Only when every chunk verified and each whole file's sha256
+equals the manifest's (and, for a named model, the sha256 its spec pins) is it renamed into place:
+a half-fetched model is never found at `path`, and a failure removes the temporary file.
+
+Failures raise ModelFetchError with the gRPC status that caused them (UNAVAILABLE: no source could
+deliver; NOT_FOUND: no kvstore of the cluster has the model; DATA_LOSS: chunks kept failing their
+hash). A fetched model stays pinned in the site store while this process lives (`ModelPin` renews
+the lease), so other workers of the site find it there.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from ember.model import weight_codec
+from ember.model.weight_chunks import Chunk, FileEntry, Manifest, ManifestError, chunk_hash
+from ember.rpc import security
+from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
+
+LEASE_S = 30.0
+ATTEMPTS = 3
+RETRY_S = 0.5
+TIMEOUT_S = 600.0
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.DATA_LOSS)
+log = logging.getLogger("ember.model_fetch")
+
+
+class ModelFetchError(RuntimeError):
+    def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+
+
+def ensure_model_file(path: str | Path, kvstore_address: str | None, creds: security.Credentials | None = None,
+                      codec: str = "", pin: bool = True) -> Path:
+    """`path`, fetched through the kvstore at `kvstore_address` first when it does not exist.
+    `codec` "raw" asks for uncompressed chunks on every hop (a benchmark's baseline)."""
+    path = Path(path)
+    if path.exists():
+        return path
+    if not kvstore_address:
+        raise FileNotFoundError(f"model not found: {path} (and no kvstore to fetch it from)")
+    start = time.perf_counter()
+    with security.dial(kvstore_address, creds) as ch:
+        stub = kvstore_pb2_grpc.WeightStoreStub(ch)
+        manifest = _manifest(stub, path.name)
+        lease = _pull(stub, manifest, codec)
+        try:
+            _download(stub, manifest, path, codec)
+        except BaseException:
+            _release(stub, lease.lease_id)
+            raise
+        if not pin:
+            _release(stub, lease.lease_id)
+    log.info("fetched model %s (%s, %d bytes) through %s in %.2f s", path.name, manifest.id[:16], manifest.size,
+             kvstore_address, time.perf_counter() - start)
+    if pin:
+        ModelPin(kvstore_address, creds, manifest.id, lease.lease_id, lease.expires_in_s).start()
+    return path
+
+
+def _manifest(stub, name: str) -> Manifest:
+    try:
+        reply = stub.GetManifest(kvstore_pb2.ManifestRequest(name=name), timeout=TIMEOUT_S)
+    except grpc.RpcError as e:
+        raise ModelFetchError(e.code(), f"manifest of {name}: {e.details()}") from None
+    try:
+        manifest = Manifest.from_json(reply.manifest, expect_id=reply.model_id)
+    except ManifestError as e:
+        raise ModelFetchError(grpc.StatusCode.DATA_LOSS, f"manifest of {name}: {e}") from None
+    expected = _named_sha256(name)
+    if expected is not None and (manifest.folder or manifest.files[0].sha256 != expected):
+        raise ModelFetchError(grpc.StatusCode.DATA_LOSS, f"the cluster's {name} is not the named model's file "
+                                                         f"(sha256 {manifest.files[0].sha256}, want {expected})")
+    return manifest
+
+
+def _named_sha256(filename: str) -> str | None:
+    from ember.model.fetch import MODELS
+    return next((spec.sha256 for spec in MODELS.values() if spec.filename == filename), None)
+
+
+def _pull(stub, manifest: Manifest, codec: str):
+    """The site store holds every chunk, pinned: its PullModel, tried ATTEMPTS times."""
+    for attempt in range(ATTEMPTS):
+        try:
+            return stub.PullModel(kvstore_pb2.PullModelRequest(model_id=manifest.id, lease_s=LEASE_S, codec=codec),
+                                  timeout=TIMEOUT_S)
+        except grpc.RpcError as e:
+            if e.code() not in RETRYABLE or attempt == ATTEMPTS - 1:
+                raise ModelFetchError(e.code(), f"pulling {manifest.name} into the site kvstore "
+                                                f"({attempt + 1} attempt(s)): {e.details()}") from None
+            log.warning("pulling %s: %s %s; again", manifest.name, e.code().name, e.details())
+            time.sleep(RETRY_S * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _release(stub, lease_id: int) -> None:
+    with contextlib.suppress(grpc.RpcError):
+        stub.RenewModel(kvstore_pb2.ModelLeaseRequest(lease_id=lease_id, lease_s=0), timeout=10)
+
+
+def _download(stub, manifest: Manifest, path: Path, codec: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    _remove(tmp)
+    try:
+        targets = {}  # file -> open file object
+        places: dict[str, list[tuple[FileEntry, Chunk]]] = {}
+        for f, c in manifest.chunks():
+            places.setdefault(c.hash, []).append((f, c))
+        for f in manifest.files:
+            target = tmp / f.path if manifest.folder else tmp
+            target.parent.mkdir(parents=True, exist_ok=True)
+            out = open(target, "wb")
+            out.truncate(f.size)
+            targets[f.path] = out
+        try:
+            _receive(stub, manifest, places, targets, codec)
+            for out in targets.values():
+                out.flush()
+                os.fsync(out.fileno())
+        finally:
+            for out in targets.values():
+                out.close()
+        for f in manifest.files:
+            actual = _sha256(tmp / f.path if manifest.folder else tmp)
+            if actual != f.sha256:
+                raise ModelFetchError(grpc.StatusCode.DATA_LOSS, f"{f.path}: reassembled sha256 {actual}, "
+                                                                 f"manifest says {f.sha256}")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(tmp, path)  # (a folder: renamed whole; `path` did not exist)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def _receive(stub, manifest: Manifest, places: dict, targets: dict, codec: str) -> None:
+    todo = set(places)
+    verify = False
+    for attempt in range(ATTEMPTS):
+        request = kvstore_pb2.WeightChunksRequest(model_id=manifest.id, codec=codec, verify=verify,
+                                                  chunk_hashes=[bytes.fromhex(h) for h in places if h in todo])
+        bad = 0
+        try:
+            parts: list[bytes] = []
+            for piece in stub.GetWeightChunks(request, timeout=TIMEOUT_S):
+                parts.append(piece.data)
+                if piece.offset + len(piece.data) < piece.encoded_bytes:
+                    continue
+                h, encoded, parts = piece.chunk_hash.hex(), b"".join(parts), []
+                if h not in todo:
+                    continue
+                _, first = places[h][0]
+                try:
+                    data = weight_codec.decode(piece.codec, first.kind, encoded, first.length)
+                except weight_codec.WeightCodecError:
+                    data = None
+                if data is None or chunk_hash(data) != h:
+                    bad += 1
+                    log.warning("chunk %s of %s failed its hash: refused, asked again", h[:16], manifest.name)
+                    continue
+                for f, c in places[h]:
+                    out = targets[f.path]
+                    out.seek(c.offset)
+                    out.write(data)
+                todo.discard(h)
+        except grpc.RpcError as e:
+            if e.code() not in RETRYABLE or attempt == ATTEMPTS - 1:
+                raise ModelFetchError(e.code(), f"streaming {manifest.name} from the site kvstore: {e.details()}") \
+                    from None
+            time.sleep(RETRY_S)
+        if not todo:
+            return
+        verify = verify or bad > 0  # the store checks (and repairs) its copies before sending them again
+    raise ModelFetchError(grpc.StatusCode.DATA_LOSS, f"{len(todo)} chunk(s) of {manifest.name} kept failing "
+                                                     f"their hash after {ATTEMPTS} attempts")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+class ModelPin(threading.Thread):
+    """Keeps this worker's model pinned in its site store: renews the lease every third of its time to
+    live; a lease the store forgot (it restarted) is taken again with PullModel."""
+
+    def __init__(self, address: str, creds, model_id: str, lease_id: int, ttl_s: float):
+        super().__init__(name="model-pin", daemon=True)
+        self.address, self.creds, self.model_id = address, creds, model_id
+        self.lease_id, self.ttl_s = lease_id, max(1.0, ttl_s)
+        self.stopped = threading.Event()
+
+    def run(self) -> None:
+        with security.dial(self.address, self.creds) as ch:
+            stub = kvstore_pb2_grpc.WeightStoreStub(ch)
+            while not self.stopped.wait(self.ttl_s / 3):
+                try:
+                    reply = stub.RenewModel(kvstore_pb2.ModelLeaseRequest(lease_id=self.lease_id, lease_s=LEASE_S),
+                                            timeout=10)
+                except grpc.RpcError as e:
+                    if e.code() != grpc.StatusCode.FAILED_PRECONDITION:
+                        continue  # the store is away: try again next time
+                    with contextlib.suppress(grpc.RpcError):
+                        reply = stub.PullModel(kvstore_pb2.PullModelRequest(model_id=self.model_id, lease_s=LEASE_S),
+                                               timeout=TIMEOUT_S)
+                        self.lease_id = reply.lease_id
+                    continue
+                self.ttl_s = max(1.0, reply.expires_in_s)
+            _release(stub, self.lease_id)
+
+    def stop(self) -> None:
+        self.stopped.set()
