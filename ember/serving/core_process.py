@@ -58,7 +58,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.tls_dir:
             from ember.rpc import security
             security.install(security.Credentials.load(args.tls_dir))
-        engine = LLMEngine(EngineConfig(**json.loads(args.config)))  # (pinned to engine.cpus, if set)
+        values = json.loads(args.config)
+        if args.kvstore:  # a model missing here (an empty cache) is fetched through the site kvstore first
+            from ember.rpc import model_fetch, security
+            model_fetch.ensure_model_file(values["model"], args.kvstore, security.current())
+        engine = LLMEngine(EngineConfig(**values))  # (pinned to engine.cpus, if set)
         engine.grammars.tokenizer  # noqa: B018 - prepared now (~0.3 s), not in the batch of the first constrained request
         connector = None
         if args.kvstore:
