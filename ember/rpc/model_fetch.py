@@ -15,6 +15,7 @@ the lease), so other workers of the site find it there.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import hashlib
 import logging
@@ -46,9 +47,11 @@ class ModelFetchError(RuntimeError):
 
 
 def ensure_model_file(path: str | Path, kvstore_address: str | None, creds: security.Credentials | None = None,
-                      codec: str = "", pin: bool = True) -> Path:
+                      codec: str | None = None, pin: bool = True) -> Path:
     """`path`, fetched through the kvstore at `kvstore_address` first when it does not exist.
-    `codec` "raw" asks for uncompressed chunks on every hop (a benchmark's baseline)."""
+    `codec` "raw" asks for uncompressed chunks on every hop (`ember bench weights`' baseline; None: the
+    environment's EMBER_MODEL_FETCH_CODEC, else chunks as the stores hold them)."""
+    codec = os.environ.get("EMBER_MODEL_FETCH_CODEC", "") if codec is None else codec
     path = Path(path)
     if path.exists():
         return path
@@ -151,41 +154,55 @@ def _download(stub, manifest: Manifest, path: Path, codec: str) -> None:
 def _receive(stub, manifest: Manifest, places: dict, targets: dict, codec: str) -> None:
     todo = set(places)
     verify = False
-    for attempt in range(ATTEMPTS):
-        request = kvstore_pb2.WeightChunksRequest(model_id=manifest.id, codec=codec, verify=verify,
-                                                  chunk_hashes=[bytes.fromhex(h) for h in places if h in todo])
-        bad = 0
+
+    def place(h: str, codec_id: int, encoded: bytes) -> bool:
+        """Decode, check and write one chunk (in a worker thread, while the next one arrives)."""
+        _, first = places[h][0]
         try:
-            parts: list[bytes] = []
-            for piece in stub.GetWeightChunks(request, timeout=TIMEOUT_S):
-                parts.append(piece.data)
-                if piece.offset + len(piece.data) < piece.encoded_bytes:
-                    continue
-                h, encoded, parts = piece.chunk_hash.hex(), b"".join(parts), []
-                if h not in todo:
-                    continue
-                _, first = places[h][0]
-                try:
-                    data = weight_codec.decode(piece.codec, first.kind, encoded, first.length)
-                except weight_codec.WeightCodecError:
-                    data = None
-                if data is None or chunk_hash(data) != h:
-                    bad += 1
-                    log.warning("chunk %s of %s failed its hash: refused, asked again", h[:16], manifest.name)
-                    continue
-                for f, c in places[h]:
-                    out = targets[f.path]
-                    out.seek(c.offset)
-                    out.write(data)
-                todo.discard(h)
-        except grpc.RpcError as e:
-            if e.code() not in RETRYABLE or attempt == ATTEMPTS - 1:
-                raise ModelFetchError(e.code(), f"streaming {manifest.name} from the site kvstore: {e.details()}") \
-                    from None
-            time.sleep(RETRY_S)
-        if not todo:
-            return
-        verify = verify or bad > 0  # the store checks (and repairs) its copies before sending them again
+            data = weight_codec.decode(codec_id, first.kind, encoded, first.length)
+        except weight_codec.WeightCodecError:
+            return False
+        if chunk_hash(data) != h:
+            return False
+        for f, c in places[h]:
+            os.pwrite(targets[f.path].fileno(), data, c.offset)
+        return True
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-fetch") as pool:
+        for attempt in range(ATTEMPTS):
+            request = kvstore_pb2.WeightChunksRequest(model_id=manifest.id, codec=codec, verify=verify,
+                                                      chunk_hashes=[bytes.fromhex(h) for h in places if h in todo])
+            placing: list[tuple[str, concurrent.futures.Future]] = []
+            bad = 0
+
+            def settle(keep: int) -> None:
+                nonlocal bad
+                while len(placing) > keep:
+                    h, done = placing.pop(0)
+                    if done.result():
+                        todo.discard(h)
+                    else:
+                        bad += 1
+                        log.warning("chunk %s of %s failed its hash: refused, asked again", h[:16], manifest.name)
+            try:
+                parts: list[bytes] = []
+                for piece in stub.GetWeightChunks(request, timeout=TIMEOUT_S):
+                    parts.append(piece.data)
+                    if piece.offset + len(piece.data) < piece.encoded_bytes:
+                        continue
+                    h, encoded, parts = piece.chunk_hash.hex(), b"".join(parts), []
+                    if h in todo:
+                        placing.append((h, pool.submit(place, h, piece.codec, encoded)))
+                        settle(2)
+            except grpc.RpcError as e:
+                if e.code() not in RETRYABLE or attempt == ATTEMPTS - 1:
+                    raise ModelFetchError(e.code(), f"streaming {manifest.name} from the site kvstore: "
+                                                    f"{e.details()}") from None
+                time.sleep(RETRY_S)
+            finally:
+                settle(0)
+            if not todo:
+                return
+            verify = verify or bad > 0  # the store checks (and repairs) its copies before sending them again
     raise ModelFetchError(grpc.StatusCode.DATA_LOSS, f"{len(todo)} chunk(s) of {manifest.name} kept failing "
                                                      f"their hash after {ATTEMPTS} attempts")
 

@@ -255,31 +255,44 @@ class WeightStoreService(kvstore_pb2_grpc.WeightStoreServicer):
                                                   chunk_hashes=[bytes.fromhex(h) for h in todo])
         bad = 0
         parts: list[bytes] = []
-        async for piece in stub.GetWeightChunks(request, timeout=timeout):
-            parts.append(piece.data)
-            if piece.offset + len(piece.data) < piece.encoded_bytes:
-                continue
-            h = piece.chunk_hash.hex()
-            encoded, parts = b"".join(parts), []
-            chunk = todo.get(h)
-            if chunk is None:
-                continue  # not asked for (or already here): ignored
-            moved["wire"] += len(encoded)
-            self.counts["wire"] += len(encoded)
-            ok = await asyncio.to_thread(_check, piece.codec, chunk, encoded)
-            if not ok:
+        checking: list[tuple[str, int, bytes, Chunk, asyncio.Future]] = []  # decoded and hashed in threads
+
+        async def file_next() -> None:
+            nonlocal bad
+            h, codec, encoded, chunk, check = checking.pop(0)
+            if not await check:
                 bad += 1
                 moved["refused"] += 1
                 self.counts["refused"] += 1
                 log.warning("chunk %s from %s failed its hash: refused", h[:16], peer)
-                continue
-            self.chunks.put(h, piece.codec, encoded, for_model=manifest.id)
-            del todo[h]
-            moved["chunks"] += 1
-            moved["raw"] += chunk.length
-            self.counts["pulled"] += 1
+                return
+            if self.chunks.put(h, codec, encoded, for_model=manifest.id):
+                moved["chunks"] += 1
+                moved["raw"] += chunk.length
+                self.counts["pulled"] += 1
+            todo.pop(h, None)
             if peer not in moved["sources"]:
                 moved["sources"].append(peer)
+        try:
+            async for piece in stub.GetWeightChunks(request, timeout=timeout):
+                parts.append(piece.data)
+                if piece.offset + len(piece.data) < piece.encoded_bytes:
+                    continue
+                h = piece.chunk_hash.hex()
+                encoded, parts = b"".join(parts), []
+                chunk = todo.get(h)
+                if chunk is None:
+                    continue  # not asked for (or already here): ignored
+                moved["wire"] += len(encoded)
+                self.counts["wire"] += len(encoded)
+                # the next chunk arrives while this one is checked: decoding overlaps the link
+                checking.append((h, piece.codec, encoded, chunk,
+                                 asyncio.ensure_future(asyncio.to_thread(_check, piece.codec, chunk, encoded))))
+                while len(checking) > 2 or (checking and checking[0][4].done()):
+                    await file_next()
+        finally:
+            while checking:  # what arrived whole is filed, even when the stream then broke
+                await file_next()
         return bad
 
     async def _pull(self, manifest: Manifest, codec: str, timeout: float) -> dict:
