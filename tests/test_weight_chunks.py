@@ -56,7 +56,8 @@ def test_the_gguf_manifest_tiles_the_file_by_kind_and_reassembles_bit_exactly(mo
         whole.update(weight_codec.decode(codec, c.kind, data, c.length))
     assert whole.hexdigest() == entry.sha256
     stored = sum(len(d) for _, d in encoded.values())
-    print(f"GGUF {entry.size} bytes -> {stored} stored ({1 - stored / entry.size:.1%} saved), {len(entry.chunks)} chunks")
+    print(f"GGUF {entry.size} bytes -> {stored} stored ({1 - stored / entry.size:.1%} saved), "
+          f"{len(entry.chunks)} chunks")
     assert stored < entry.size
     again = Manifest.from_json(manifest.to_json(), expect_id=manifest.id)
     assert again == manifest

@@ -80,7 +80,8 @@ def bf16_files(model: Path, folder: Path, quick: bool) -> dict[str, Path]:
     from ember.model.files import ensure_gguf_cache
     dense = load_file(str(ensure_gguf_cache(model) / "model.safetensors"))
     if quick:  # a third of the layers: the same kinds, a smoke run's size
-        dense = {k: v for k, v in dense.items() if ".layers." not in k or int(k.split(".layers.")[1].split(".")[0]) < 10}
+        dense = {k: v for k, v in dense.items()
+                 if ".layers." not in k or int(k.split(".layers.")[1].split(".")[0]) < 10}
     real = {k: v.to(torch.bfloat16).contiguous() for k, v in dense.items()}
     gen = torch.Generator().manual_seed(0)
     random = {k: (torch.randn(v.shape, generator=gen) * 0.02).to(torch.bfloat16) if v.dim() > 1

@@ -29,7 +29,7 @@ def weight_store_settings(config: ClusterConfig, site_name: str, cache_dir: Path
     from ember.cache import cache_dir as user_cache
     site = config.site(site_name)
     k = config.kvstore
-    root = Path(k.chunks_dir).expanduser() / site.name if k.chunks_dir else (cache_dir or user_cache()) / "chunks" / site.name
+    root = (Path(k.chunks_dir).expanduser() if k.chunks_dir else (cache_dir or user_cache()) / "chunks") / site.name
     others = sorted((s for s in config.sites if s.has("kvstore") and s.name != site.name),
                     key=lambda s: link_cost_s(config, site.name, s.name))
     model = config.model_path()

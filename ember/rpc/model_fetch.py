@@ -174,7 +174,7 @@ def _receive(stub, manifest: Manifest, places: dict, targets: dict, codec: str) 
             placing: list[tuple[str, concurrent.futures.Future]] = []
             bad = 0
 
-            def settle(keep: int) -> None:
+            def settle(keep: int, placing=placing) -> None:
                 nonlocal bad
                 while len(placing) > keep:
                     h, done = placing.pop(0)

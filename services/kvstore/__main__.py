@@ -15,9 +15,9 @@ from ember.rpc import metrics, security
 from ember.rpc.directory import open_directory
 from ember.rpc.server import Server, bind_address, run_service
 from ember.services.common import service_args
+from ember.services.kvstore.chunk_store import ChunkStore
 from ember.services.kvstore.publisher import Publisher
 from ember.services.kvstore.service import KVStoreService
-from ember.services.kvstore.chunk_store import ChunkStore
 from ember.services.kvstore.store import BlockStore
 from ember.services.kvstore.weights import WeightStoreService
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
