@@ -79,7 +79,7 @@ async def serve_engine_service(role: str, service_name: str, service, add_to_ser
     from ember.rpc.server import Server
     from ember.serving.engine_client import SubprocessEngineClient
     try:
-        settings, engine = engine_settings(args.cluster, role, args.site, args.worker)
+        settings, _ = engine_settings(args.cluster, role, args.site, args.worker, resolve=False)
     except ValueError as e:
         raise SystemExit(f"error: {e}") from e
     server = Server(settings.listen, [service_name])
@@ -92,7 +92,7 @@ async def serve_engine_service(role: str, service_name: str, service, add_to_ser
         def died():
             loop.create_task(server.set_status(health_pb2.HealthCheckResponse.NOT_SERVING))
         from ember.cluster.wan import parse_routes
-        service.engine = await SubprocessEngineClient.start(engine, kvstore=settings.kvstore,
+        service.engine = await SubprocessEngineClient.start(settings.engine, kvstore=settings.kvstore,
                                                             use_shm=settings.shared_memory, on_death=died,
                                                             routes=parse_routes(args.route))
         metrics.watch_engine(service.engine)

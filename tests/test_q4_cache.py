@@ -102,3 +102,10 @@ def test_a_changed_source_is_packed_again(native, model_path, tmp_path):
     assert rebuilt == cache_dir_for(copy) / q4_cache.FILE and q4_cache.cached(copy) == rebuilt
     assert os.stat(rebuilt).st_ino != os.stat(q4_cache.ensure(model_path)).st_ino, "a new file, not the old link"
     assert q4_cache.cached(model_path) is not None, "the original's cache is untouched"
+
+
+def test_the_cache_key_names_the_kernels_layout():
+    """The cache is keyed by the kernel's quad width without importing torch: the two constants are one."""
+    from ember.kernels.cpu_q4 import QUAD
+    from ember.model import q4_cache
+    assert q4_cache.QUAD == QUAD

@@ -65,7 +65,7 @@ class EngineServiceSettings:
     shared_memory: bool
     on_transfer_failure: str
     recompute_max_tokens: int | None
-    engine: dict             # EngineConfig fields ("auto" resolved against the model)
+    engine: dict             # EngineConfig fields ("auto" resolved against the model, unless not resolved)
 
 
 @dataclass(frozen=True)
@@ -106,9 +106,9 @@ def kvstore_settings(config: ClusterConfig, site_name: str) -> KVStoreSettings:
                            k.max_lease_s, tuple(s.kvstore for s in others), links)
 
 
-def engine_settings(config: ClusterConfig, role: str, site_name: str, worker: int = 0):
-    """(EngineServiceSettings, EngineConfig) of `role` worker number `worker` at `site_name`."""
-    from ember.engine.config import EngineConfig
+def engine_values(config: ClusterConfig, role: str, site_name: str, worker: int = 0) -> dict:
+    """The EngineConfig fields of `role` worker number `worker` at `site_name`, "auto" values left for
+    the engine to resolve against the model (torch-free: the service process passes them to its core)."""
     site = config.site(site_name)
     if not site.has(role):
         raise ValueError(f"site {site_name!r} has no {role} role")
@@ -119,10 +119,21 @@ def engine_settings(config: ClusterConfig, role: str, site_name: str, worker: in
     if values["cpus"] == "auto":
         values["cpus"] = host_cpu_sets(config).get((role, site.name, worker))
     slo = config.router.slo
-    engine = EngineConfig(model=str(config.model_path()), slo_ttft_s=slo.ttft_s, slo_tpot_s=slo.tpot_s, **values)
-    k = config.kvstore
-    settings = EngineServiceSettings(role, site.name, worker, pool[worker], site.kvstore, k.shared_memory,
-                                     k.on_transfer_failure, k.recompute_max_tokens, engine.model_dump())
+    return {"model": str(config.model_path()), "slo_ttft_s": slo.ttft_s, "slo_tpot_s": slo.tpot_s, **values}
+
+
+def engine_settings(config: ClusterConfig, role: str, site_name: str, worker: int = 0, resolve: bool = True):
+    """(EngineServiceSettings, EngineConfig) of `role` worker number `worker` at `site_name`. resolve=False:
+    (settings, None), the settings' `engine` left unresolved, without importing torch (the service process)."""
+    values = engine_values(config, role, site_name, worker)
+    engine = None
+    if resolve:
+        from ember.engine.config import EngineConfig
+        engine = EngineConfig(**values)
+    site, k = config.site(site_name), config.kvstore
+    settings = EngineServiceSettings(role, site.name, worker, site.workers(role)[worker], site.kvstore,
+                                     k.shared_memory, k.on_transfer_failure, k.recompute_max_tokens,
+                                     engine.model_dump() if engine is not None else values)
     return settings, engine
 
 

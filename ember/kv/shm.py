@@ -52,13 +52,15 @@ log = logging.getLogger("ember.kvstore")
 
 
 def sealed_arena(name: str, size: int) -> tuple[mmap.mmap, int]:
-    """A `size`-byte memfd the caller alone can write: (its writable, populated mapping, a
-    read-only fd of it to hand to readers). The writable fd is closed here (CPython's mmap
-    keeps a dup of it, which the seal leaves unable to write as well)."""
+    """A `size`-byte memfd the caller alone can write: (its writable mapping, a read-only fd of it to
+    hand to readers). Not populated: a page becomes resident when a block is first written to it,
+    so a store holds the memory its blocks use, not its capacity (a first write costs page faults:
+    ~1.6 GB/s against ~12 GB/s into touched memory, 0.2 ms a 360 KiB block; slots are reused).
+    The writable fd is closed here (CPython's mmap keeps a dup of it, which the seal leaves unable to write as well)."""
     fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, size)
-        arena = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        arena = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
         try:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
         except OSError as e:  # a kernel before 5.1 has no F_SEAL_FUTURE_WRITE: the read-only fd alone guards it
@@ -147,9 +149,9 @@ class ArenaReader:
         try:
             if magic != MAGIC or got_id != store_id:
                 raise ConnectionError(f"{path} belongs to another kvstore")
-            # populated now (~0.1 s per GiB), so no read later stops for a page fault
-            self._map = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                  prot=mmap.PROT_READ)
+            # not populated: that would allocate every page of the store's capacity (a read of a shmem
+            # hole allocates one); a read maps only pages the store has written
+            self._map = mmap.mmap(fds[0], size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
             os.close(fds[0])
         self.view = memoryview(self._map)

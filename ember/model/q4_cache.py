@@ -25,12 +25,12 @@ from pathlib import Path
 from ember.model.files import cache_dir_for
 
 VERSION = 1
+QUAD = 64  # the C++ kernel's outputs per quad (ember.kernels.cpu_q4.QUAD, held equal by a test): torch-free here
 FILE = "q4/packed.safetensors"
 META = "q4/meta.json"
 
 
 def _key(gguf_path: Path) -> dict:
-    from ember.kernels.cpu_q4 import QUAD
     stat = gguf_path.stat()
     return {"version": VERSION, "quad": QUAD, "source_size": stat.st_size, "source_mtime_ns": stat.st_mtime_ns}
 

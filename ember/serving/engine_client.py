@@ -13,6 +13,7 @@ Both run the same `serve_loop` over the same `EngineCore`.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import queue
@@ -213,11 +214,12 @@ class SubprocessEngineClient(EngineClient):
     async def start(cls, config, kvstore: str | None = None, use_shm: bool = True,
                     on_death: Callable[[], None] | None = None, routes: dict[str, str] | None = None
                     ) -> SubprocessEngineClient:
-        """Spawn the core for `config` (an EngineConfig) and wait until its model is warm. `routes`:
+        """Spawn the core for `config` (an EngineConfig, or its fields as a dict: the core resolves their
+        "auto" values, so the service never imports torch) and wait until its model is warm. `routes`:
         other sites' kvstores -> the emulated links in front of them (the core streams KV there)."""
         mine, theirs = socket.socketpair()
         argv = [sys.executable, "-m", "ember.serving.core_process", "--fd", str(theirs.fileno()),
-                "--config", config.model_dump_json()]
+                "--config", json.dumps(config) if isinstance(config, dict) else config.model_dump_json()]
         if kvstore:
             argv += ["--kvstore", kvstore] + ([] if use_shm else ["--no-shm"])
             argv += [a for true, relay in (routes or {}).items() for a in ("--route", f"{true}={relay}")]

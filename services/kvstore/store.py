@@ -1,10 +1,10 @@
 """Content-addressed block store: preallocated slots, byte capacity, LRU eviction, pins, leases.
 
 Holds bytes only (no torch): each block is a raw wire frame (ember.kv.wire). Frames live
-in one arena allocated and populated up front (MAP_POPULATE: ~0.5 s per GiB at start) and
-cut into slots of the first frame size seen, so a block arriving from the network is
-received straight into memory that is already mapped (populated memory took copies at
-12.4 GB/s here, fresh anonymous memory 1.6 GB/s). The arena is a memfd, so a reader on
+in one arena of the capacity's size, cut into slots of the first frame size seen, so a block
+arriving from the network is received straight into its slot. The arena is not populated up
+front (that cost ~0.5 s per GiB at start and held the whole capacity resident): a slot's pages
+become resident at its first write, so the store holds what its blocks use. The arena is a memfd, so a reader on
 the same host can map it and copy blocks out without a socket (ember/kv/shm.py): sealed, so
 this mapping is the only one that writes, and handed read-only to same-uid readers only.
 
