@@ -31,17 +31,18 @@ def test_an_hf_folder_serves_dense_in_its_checkpoint_dtype(tmp_path):
     assert resolve_serving(tmp_path) == ("float32", "dense")
 
 
-def test_the_kv_pool_follows_available_memory_unless_sized():
+def test_the_kv_pool_is_what_is_left_of_the_memory_budget_unless_sized():
     import psutil
-    config = EngineConfig(kv_cache_memory_fraction=0.05)
-    available = psutil.virtual_memory().available
-    assert 0.8 * 0.05 * available < config.pool_bytes() < 1.2 * 0.05 * available
+    config = EngineConfig(memory_utilization=0.05)
+    budget, held = 0.05 * psutil.virtual_memory().total, psutil.Process().memory_info().rss
+    assert budget - held - 2**26 < config.pool_bytes() < budget - held + 2**26
+    assert budget - held - 2**28 - 2**26 < config.pool_bytes(2**28) < budget - held - 2**28 + 2**26  # weights to read
     assert EngineConfig(kv_cache_mb=1).pool_bytes() == 2**20
-    with pytest.raises(ValueError, match="kv_cache_memory_fraction"):
-        EngineConfig(kv_cache_memory_fraction=0.0)
+    with pytest.raises(ValueError, match="memory_utilization"):
+        EngineConfig(memory_utilization=0.0)
 
 
 def test_the_shipped_local_config_is_the_default_serving_path():
     engine = load_config(default_config()).engine
     assert (engine.weights, engine.dtype, engine.kv_cache_mb) == ("auto", "auto", None)
-    assert engine.kv_cache_memory_fraction == EngineSettings().kv_cache_memory_fraction
+    assert engine.memory_utilization == 0.1 and EngineSettings().memory_utilization is None  # (CPU's default)

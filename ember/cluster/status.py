@@ -66,7 +66,37 @@ def rows(run_dir: Path) -> list[tuple[str, ...]]:
     return table
 
 
-def render(run_dir: Path) -> str:
-    table = rows(run_dir)
+MEMORY_COLUMNS = (("weights", ("weights",)), ("KV pool", ("kv_pool",)), ("KV arena", ("kv_arena_maps",)),
+                  ("workspace", ("workspace",)), ("slack", ("allocator_slack",)),
+                  ("rest", ("code", "heap", "python", "stack", "unaccounted")))
+
+
+def memory_rows(run_dir: Path) -> list[tuple[str, ...]]:
+    """Each process's resident MB by part (ember:memory_bytes of every service's /metrics)."""
+    services = json.loads((run_dir / "services.json").read_text())
+    table = [("service", "process", "resident MB", *(name for name, _ in MEMORY_COLUMNS))]
+    for name, info in services.items():
+        m = scrape(info.get("metrics"))
+        for process in ("service", "engine-core"):
+            key = f'ember:memory_resident_bytes{{process="{process}"}}'
+            if key not in m:
+                continue
+
+            def mb(parts, process=process, m=m):
+                total = sum(m.get(f'ember:memory_bytes{{part="{p}",process="{process}"}}', 0) for p in parts)
+                return f"{total / 2**20:.0f}"
+            table.append((name, process, f"{m[key] / 2**20:.0f}", *(mb(parts) for _, parts in MEMORY_COLUMNS)))
+    return table
+
+
+def _format(table: list[tuple[str, ...]]) -> str:
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in table)
+
+
+def render(run_dir: Path) -> str:
+    out = _format(rows(run_dir))
+    memory = memory_rows(run_dir)
+    if len(memory) > 1:
+        out += "\n\nresident memory by part (MB; rest: code, heap, Python objects, stack)\n" + _format(memory)
+    return out

@@ -30,7 +30,7 @@ ROLES = ("prefill", "decode", "kvstore")
 ENGINE_ROLES = ("prefill", "decode")
 # Engine settings a role may set for itself. The rest name the bytes of a KV block (dtype,
 # weights, block size) or the request limit the router checks, so both roles must agree.
-ROLE_SETTINGS = ("kv_cache_mb", "kv_cache_memory_fraction", "max_num_seqs", "max_num_batched_tokens", "threads",
+ROLE_SETTINGS = ("kv_cache_mb", "memory_utilization", "max_num_seqs", "max_num_batched_tokens", "threads",
                  "cpus", "tensor_parallel", "pipeline_parallel", "expert_parallel")
 
 
@@ -206,7 +206,7 @@ class PlacementSection(Section):
 class RoleEngineSettings(Section):
     """Per-role overrides of engine settings; unset: the `engine:` value."""
     kv_cache_mb: int | None = Field(None, gt=0)
-    kv_cache_memory_fraction: float | None = Field(None, gt=0, le=0.9)
+    memory_utilization: float | None = Field(None, gt=0, le=0.95)
     max_num_seqs: int | None = Field(None, gt=0)
     max_num_batched_tokens: int | None = Field(None, gt=0)
     threads: int | None = Field(None, ge=0)

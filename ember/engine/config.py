@@ -30,10 +30,12 @@ class EngineSettings(Section):
         "auto", description="auto: a Q4_1 GGUF serves its own codes on int4 kernels (q4); dense "
                             "dequantizes (with dtype float32: the exact path, token-equal to transformers)")
     block_size: int = Field(16, gt=0, description="tokens per KV block (a power of two); part of every block hash")
-    kv_cache_mb: int | None = Field(None, gt=0, description="KV pool size in MiB; unset: "
-                                                             "kv_cache_memory_fraction of the memory available")
-    kv_cache_memory_fraction: float = Field(0.1, gt=0, le=0.9, description="KV pool share of the memory available "
-                                                                           "when the engine starts")
+    kv_cache_mb: int | None = Field(None, gt=0, description="KV pool size in MiB; unset: what is left of the "
+                                                             "engine's memory_utilization once its model is loaded")
+    memory_utilization: float | None = Field(None, gt=0, le=0.95, description="share of the device's memory the "
+                                             "engine may hold in all (weights, workspace, runtime, KV pool): the KV "
+                                             "pool gets what is left of it after the model loads; unset: 0.9 of a "
+                                             "GPU's, 0.1 of a CPU host's (shared with the other services there)")
     max_num_seqs: int = Field(64, gt=0, description="sequences in one batch")
     max_num_batched_tokens: int = Field(1024, gt=0, description="tokens per step; bounds a prefill chunk")
     max_model_len: int | None = Field(None, gt=0, description="longest prompt + output; unset: the model's "
@@ -149,11 +151,20 @@ class EngineConfig(EngineSettings):
     def torch_threads(self) -> int:
         return self.threads or len(self.pinned_cpus() or ()) or os.cpu_count() or 1
 
-    def pool_bytes(self) -> int:
-        """The KV pool's size: kv_cache_mb, else the fraction of the device's memory available now."""
+    def pool_bytes(self, pending_bytes: int = 0) -> int:
+        """The KV pool's size: kv_cache_mb, else what is left of the engine's memory budget
+        (memory_utilization of the device's memory) after what it holds now (its model loaded) and
+        `pending_bytes` it will come to hold (mapped weights not yet read)."""
         if self.kv_cache_mb is not None:
             return self.kv_cache_mb * 2**20
         import torch
 
-        from ember.engine.device import available_memory
-        return int(available_memory(torch.device(self.device)) * self.kv_cache_memory_fraction)
+        from ember.engine.device import memory_in_use, total_memory
+        device = torch.device(self.device)
+        share = self.memory_utilization or (0.9 if device.type == "cuda" else 0.1)
+        budget, held = int(total_memory(device) * share), memory_in_use(device) + pending_bytes
+        if budget - held < 2**20:
+            raise ValueError(f"memory_utilization {share} ({budget / 2**20:.0f} MiB of the {device.type} memory) "
+                             f"leaves no room for a KV pool: the engine already holds {held / 2**20:.0f} MiB; "
+                             "raise memory_utilization or set kv_cache_mb")
+        return budget - held

@@ -53,12 +53,22 @@ def attention_backend(setting: str, device: torch.device, dtype: str) -> str:
     return setting
 
 
-def available_memory(device: torch.device) -> int:
-    """Bytes free now on the device (host memory for CPU)."""
+def total_memory(device: torch.device) -> int:
+    """The device's memory in bytes (the host's for CPU)."""
     if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
+        return torch.cuda.mem_get_info(device)[1]
     import psutil
-    return psutil.virtual_memory().available
+    return psutil.virtual_memory().total
+
+
+def memory_in_use(device: torch.device) -> int:
+    """Bytes in use: on a GPU, all of it that is not free (this engine's and any other's: a pool
+    sized against it never oversubscribes the card); on CPU, this process's resident set."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return total - free
+    import psutil
+    return psutil.Process().memory_info().rss
 
 
 def host_staged(t: torch.Tensor) -> bool:

@@ -17,6 +17,7 @@ from ember.engine.config import EngineConfig
 from ember.engine.constraints import Grammars, fill_mask
 from ember.engine.detokenizer import update_text
 from ember.engine.errors import CapacityError, IntegrityError, InvalidRequestError
+from ember.engine.footprint import weights_not_resident
 from ember.engine.kv_cache import PagedKVCache
 from ember.engine.model_runner import ModelRunner
 from ember.engine.outputs import RequestOutput
@@ -94,7 +95,10 @@ class LLMEngine:
         self.layout = layout_of(args, self.loaded.fingerprint, config.dtype, config.block_size)
         if not parallel:  # on the device before the pool is sized from what is left there
             self.loaded.model.to(torch.device(config.device))  # (its weights were read into host memory)
-        num_blocks = config.num_kv_blocks or config.pool_bytes() // self.layout.block_bytes
+        num_blocks = config.num_kv_blocks
+        if not num_blocks:  # what is left of the engine's memory budget, its weights counted whole
+            pending = 0 if parallel or config.kv_cache_mb else weights_not_resident(self.loaded.model)
+            num_blocks = config.pool_bytes(pending) // self.layout.block_bytes
         if config.expert_parallel > 1 and config.device == "cpu" and not config.num_kv_blocks:
             # every expert-parallel rank holds the whole cache: on one host's memory the pool is split
             num_blocks //= config.expert_parallel

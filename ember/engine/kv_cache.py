@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from ember.kv.block_hash import KVLayout
+from ember.util import memory
 
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # numpy has no bfloat16: move bytes through a same-width integer view
@@ -28,7 +29,11 @@ class PagedKVCache:
         # pages are touched as blocks are first written. Zeros matter: attention reads the
         # unwritten tail of a block (masked), and 0 * garbage could be NaN.
         if torch.device(device).type == "cpu":
-            self.kv = torch.from_numpy(np.zeros(shape, dtype=_NUMPY_TWIN[self.dtype])).view(self.dtype)
+            pool = np.zeros(shape, dtype=_NUMPY_TWIN[self.dtype])
+            # small pages: a block is a few KiB in each of the pool's layers x planes regions, and
+            # numpy's huge pages would make the first block written in each region cost 2 MiB there
+            memory.no_huge_pages(pool.ctypes.data, pool.nbytes)
+            self.kv = torch.from_numpy(pool).view(self.dtype)
         else:
             self.kv = torch.zeros(shape, dtype=self.dtype, device=device)
         self.block_shape = (layout.num_layers, layout.planes, layout.block_size, layout.num_kv_heads, layout.head_dim)

@@ -5,8 +5,12 @@ prometheus-client). Gauges that mirror engine or store state are read at scrape 
 """
 from __future__ import annotations
 
+import os
+
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ember.util import memory
 
 _LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 _TOKEN = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
@@ -107,6 +111,34 @@ class _EngineCounters:
 _ENGINE_COUNTERS = _EngineCounters()
 
 
+class _MemoryCollector:
+    """Resident memory by part (ember.util.memory) of this process ("service") and, for an engine
+    service, of its engine core's process ("engine-core", off the core's latest snapshot)."""
+    client = None
+    registered = False
+
+    def collect(self):
+        resident = GaugeMetricFamily("ember:memory_resident_bytes", "Resident set size of the process",
+                                     labels=["process"])
+        parts = GaugeMetricFamily("ember:memory_bytes", "Resident memory by part: weights, kv_pool, workspace, "
+                                  "kv_arena_maps, code, heap, allocator_slack, python, stack, unaccounted "
+                                  "(docs/ARCHITECTURE.md, Start-up and memory)", labels=["process", "part"])
+        reports = [("service", memory.report())]
+        client = self.client
+        if client is not None and client.info is not None and client.info.pid != os.getpid() \
+                and client.snapshot.memory:
+            reports.append(("engine-core", dict(client.snapshot.memory)))
+        for process, report in reports:
+            resident.add_metric([process], report["rss"])
+            for part in memory.PARTS:
+                parts.add_metric([process, part], report.get(part, 0))
+        yield resident
+        yield parts
+
+
+_MEMORY = _MemoryCollector()
+
+
 def watch_workers(pool) -> None:
     """The router's view of its prefill and decode workers, read at scrape time."""
     REGISTRY.register(_WorkerCollector(pool))
@@ -122,6 +154,7 @@ def watch_engine(client) -> None:
     if _ENGINE_COUNTERS.client is None:
         REGISTRY.register(_ENGINE_COUNTERS)
     _ENGINE_COUNTERS.client = client
+    _MEMORY.client = client
 
 
 def watch_store(store) -> None:
@@ -130,5 +163,8 @@ def watch_store(store) -> None:
 
 def serve(address: str | None) -> None:
     if address:
+        if not _MEMORY.registered:
+            REGISTRY.register(_MEMORY)
+            _MEMORY.registered = True
         host, port = address.rsplit(":", 1)
         start_http_server(int(port), addr=host)

@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return 1
     conn.send(("ready", info))
+    conn.send(([], core.snapshot()))  # the gauges (its memory among them) before any request
     from ember.serving.engine_client import serve_loop
     from ember.serving.engine_core import error_info
 

@@ -28,7 +28,7 @@ from ember.engine.outputs import RequestOutput
 from ember.engine.sampling_params import SamplingParams
 from ember.errors import InvalidRequestError
 from ember.rpc import tracing
-from ember.serving.messages import AddRequest, CoreInfo, ErrorInfo, KVPlan, Snapshot
+from ember.serving.messages import MEMORY_REFRESH_S, AddRequest, CoreInfo, ErrorInfo, KVPlan, Snapshot
 
 log = logging.getLogger("ember.engine")
 
@@ -38,6 +38,8 @@ def serve_loop(core, receive: Callable[[float | None], list], emit: Callable[[li
     """Run `core` until a ("shutdown",) message: drain the inbox, turn, emit the events."""
     while True:
         timeout = 0.0 if core.has_work() else 0.002 if core.busy() else idle_timeout
+        if timeout is None or timeout > MEMORY_REFRESH_S:  # an idle core still refreshes its gauges
+            timeout = MEMORY_REFRESH_S
         events = []
         for message in receive(timeout):
             kind = message[0]
@@ -50,7 +52,7 @@ def serve_loop(core, receive: Callable[[float | None], list], emit: Callable[[li
             elif kind == "stats":
                 events.append(("stats", message[1], core.stats()))
         events.extend(core.turn())
-        if events:
+        if events or core.memory_due():
             emit(events, core.snapshot())
 
 

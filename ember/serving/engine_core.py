@@ -28,7 +28,7 @@ from ember.engine.engine import LLMEngine
 from ember.engine.errors import CapacityError, IntegrityError, InvalidRequestError
 from ember.engine.outputs import KVStats, RequestOutput
 from ember.kv.block_hash import chain_hashes
-from ember.serving.messages import AddRequest, ErrorInfo, Snapshot
+from ember.serving.messages import MEMORY_REFRESH_S, AddRequest, ErrorInfo, Snapshot
 
 log = logging.getLogger("ember.engine")
 
@@ -80,6 +80,8 @@ class EngineCore:
     stores: list[tuple[concurrent.futures.Future, RequestOutput | None]] = field(default_factory=list)
     releases: list[tuple[str, concurrent.futures.Future]] = field(default_factory=list)
     tiers: TierCounters = field(default_factory=TierCounters)
+    _memory: tuple[tuple[str, int], ...] = ()
+    _memory_at: float = float("-inf")
 
     # -- messages ----------------------------------------------------------------------
     def add(self, request: AddRequest) -> list[tuple]:
@@ -138,7 +140,7 @@ class EngineCore:
                 "step_choices": dict(engine.scheduler.choices),
                 "draft_tokens": engine.stats.num_draft_tokens, "accepted_tokens": engine.stats.num_accepted_tokens,
                 "forced_tokens": engine.stats.num_forced_tokens,
-                **vars(self.tiers)}
+                "memory": dict(self.memory(fresh=True)), **vars(self.tiers)}
 
     def snapshot(self) -> Snapshot:
         engine, bm = self.engine, self.engine.block_manager
@@ -147,7 +149,23 @@ class EngineCore:
                         bm.num_used_blocks, bm.num_blocks, t.tokens_l1, t.tokens_l2, t.tokens_computed,
                         engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens,
                         engine.stats.num_forced_tokens, tuple(engine.expert_tokens()), engine.expert_ranks,
-                        tuple(engine.scheduler.choices.items()))
+                        tuple(engine.scheduler.choices.items()), self.memory())
+
+    def memory_due(self) -> bool:
+        return time.monotonic() - self._memory_at >= MEMORY_REFRESH_S
+
+    def memory(self, fresh: bool = False) -> tuple[tuple[str, int], ...]:
+        """This process's resident memory by part, measured at most every MEMORY_REFRESH_S (~10 ms each)."""
+        now = time.monotonic()
+        if fresh or self.memory_due():
+            from ember.engine.footprint import engine_memory
+            try:
+                self._memory = tuple(engine_memory(self.engine).items())
+            except Exception:  # noqa: BLE001 - a gauge never takes the engine down
+                log.exception("measuring the engine's memory failed")
+                self._memory = ()
+            self._memory_at = now
+        return self._memory
 
     # -- the loop turn -----------------------------------------------------------------------
     def has_work(self) -> bool:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from ember.engine.sampling_params import SamplingParams
 
+MEMORY_REFRESH_S = 5.0  # how old the memory report in an engine's snapshot gets (ember.engine.footprint)
+
 
 @dataclass(frozen=True)
 class KVPlan:
@@ -82,6 +84,7 @@ class Snapshot:
     expert_tokens: tuple[int, ...] = ()  # a MoE model's tokens routed to each expert, since start
     expert_ranks: tuple[int, ...] = ()  # the expert-parallel rank holding each expert
     step_choices: tuple[tuple[str, int], ...] = ()  # steps by the step policy's choice, since start
+    memory: tuple[tuple[str, int], ...] = ()  # the core process's resident memory by part (ember.util.memory)
 
 
 @dataclass(frozen=True)

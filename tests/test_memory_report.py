@@ -1,0 +1,89 @@
+"""Memory you can account for (issue 32): each process's resident memory split into parts, each part
+measured from its own source (mincore of the engine's tensors, mallinfo2, pymalloc's counters, the
+file mappings in smaps), and the parts adding up to the resident size the kernel reports."""
+from __future__ import annotations
+
+import json
+
+import psutil
+import pytest
+
+from ember.engine.sampling_params import SamplingParams
+from ember.util import memory
+
+NEW_TOKENS = 8
+
+
+def _served(engine, prompt_tokens: int) -> None:
+    engine.add_request(list(range(1, prompt_tokens + 1)), SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_an_engines_parts_add_up_and_its_kv_part_is_what_its_blocks_hold(q4_engine):
+    from ember.engine.footprint import engine_memory
+    engine = q4_engine(kv_cache_mb=512, max_num_batched_tokens=512)
+    before = engine_memory(engine)
+    assert before["kv_pool"] < 2**20, "a fresh pool is not resident (zeroed pages, touched when written)"
+    _served(engine, 1500)
+    after = engine_memory(engine)
+    for report in (before, after):
+        assert abs(report["unaccounted"]) <= 0.10 * report["rss"], report
+    assert after["rss"] == pytest.approx(psutil.Process().memory_info().rss, rel=0.05)
+    written = -(-(1500 + NEW_TOKENS - 1) // engine.config.block_size) * engine.layout.block_bytes
+    # each block is a few KiB in each layer x plane region of the pool: page rounding, not 2 MiB huge pages
+    assert 0.9 * written <= after["kv_pool"] - before["kv_pool"] <= 1.5 * written + 60 * memory.PAGE, (after, written)
+    assert after["weights"] >= before["weights"] > 0
+    assert after["workspace"] > 0  # the captured step's buffers (the default q4 path captures)
+
+
+def test_the_kv_pool_is_what_is_left_of_the_engines_budget(q4_engine):
+    engine = q4_engine(memory_utilization=0.05, kv_cache_mb=None)
+    budget = 0.05 * psutil.virtual_memory().total
+    pool = engine.cache.nbytes
+    held = psutil.Process().memory_info().rss
+    assert pool < budget - 0.5 * held, "the pool leaves room for what the engine already holds"
+    assert pool > budget - 3 * held
+    with pytest.raises(ValueError, match="leaves no room for a KV pool"):
+        q4_engine(memory_utilization=0.001, kv_cache_mb=None)
+
+
+def test_every_process_of_the_default_cluster_reports_parts_that_add_up(default_cluster):
+    """`ember status`'s memory table: each service's /metrics reports its own process and, for an
+    engine service, its engine core's; the parts sum to the resident size psutil reads, within 10%."""
+    from ember.cluster.status import memory_rows, scrape
+    run_dir = default_cluster.run_dir
+    services = json.loads((run_dir / "services.json").read_text())
+    cores = 0
+    for name, info in services.items():
+        if not info.get("metrics"):
+            continue
+        m = scrape(info["metrics"])
+        pid = default_cluster.cluster.pid(name)
+        processes = {"service": pid}
+        if name.startswith(("prefill", "decode")):
+            [core] = psutil.Process(pid).children()
+            processes["engine-core"] = core.pid
+        for process, proc_pid in processes.items():
+            rss = m[f'ember:memory_resident_bytes{{process="{process}"}}']
+            parts = {p: m[f'ember:memory_bytes{{part="{p}",process="{process}"}}'] for p in memory.PARTS}
+            assert abs(parts["unaccounted"]) <= 0.10 * rss, (name, process, parts)
+            if process == "service":  # the core's report is up to MEMORY_REFRESH_S old
+                assert rss == pytest.approx(psutil.Process(proc_pid).memory_info().rss, rel=0.10), (name, process)
+            else:
+                cores += 1
+                assert parts["weights"] > 10 * 2**20, (name, parts)
+    assert cores == 2
+    table = memory_rows(run_dir)
+    assert {row[1] for row in table[1:]} == {"service", "engine-core"}
+
+
+def test_the_exact_paths_packed_weights_are_counted_as_weights(make_engine):
+    """fp32 dense weights are oneDNN-packed (opaque tensors with no address to look at): counted
+    whole as weights, not as heap."""
+    from ember.engine.footprint import engine_memory
+    engine = make_engine(kv_cache_mb=64)
+    report = engine_memory(engine)
+    assert abs(report["unaccounted"]) <= 0.10 * report["rss"], report
+    params = sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
+    assert report["weights"] >= 0.8 * params, (report, params)
