@@ -211,7 +211,8 @@ BENCHES = {"engine": "engine_bench", "disagg": "disagg_bench", "kv": "kv_bench",
            "security": "security_bench", "constrained": "constrained_bench",
            "speculative": "speculative_bench", "decode": "decode_bench", "parallel": "parallel_bench",
            "gpu": "gpu_bench", "link": "link_bench", "streaming": "stream_bench", "moe": "moe_bench",
-           "jumpforward": "jumpforward_bench", "tools": "tools_bench", "weights": "weights_bench"}
+           "jumpforward": "jumpforward_bench", "tools": "tools_bench", "weights": "weights_bench",
+           "startup": "startup_bench"}
 
 
 def cmd_bench(args) -> int:

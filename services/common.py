@@ -66,22 +66,36 @@ def tokenizer(config: ClusterConfig):
     return Tokenizer.from_folder(model_folder(config.model_path()))
 
 
+def spawn_core(role: str, args) -> None:
+    """Start the engine core's process (`args.core`) before the service imports its gRPC stack: the
+    core's imports and model load (most of a worker's start) overlap the service's own."""
+    from ember.cluster.wan import parse_routes
+    from ember.config.services import engine_settings
+    from ember.serving.engine_client import SubprocessEngineClient
+    try:
+        args.engine_settings, _ = engine_settings(args.cluster, role, args.site, args.worker, resolve=False)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from e
+    s = args.engine_settings
+    args.core = SubprocessEngineClient.spawn(s.engine, kvstore=s.kvstore, use_shm=s.shared_memory,
+                                             routes=parse_routes(args.route))
+
+
 async def serve_engine_service(role: str, service_name: str, service, add_to_server, args) -> None:
-    """Serve an engine-backed servicer. Its engine core runs in a process of its own; health
-    says NOT_SERVING while the model loads there, SERVING once `service.engine` is warm, and
-    NOT_SERVING again if the core dies (its streams end with UNAVAILABLE)."""
+    """Serve an engine-backed servicer. Its engine core runs in a process of its own (started by
+    `spawn_core`); health says NOT_SERVING while the model loads there, SERVING once
+    `service.engine` is warm, and NOT_SERVING again if the core dies (its streams end with
+    UNAVAILABLE)."""
     import asyncio
 
     from grpc_health.v1 import health_pb2
 
-    from ember.config.services import engine_settings
     from ember.rpc import metrics
     from ember.rpc.server import Server
     from ember.serving.engine_client import SubprocessEngineClient
-    try:
-        settings, _ = engine_settings(args.cluster, role, args.site, args.worker, resolve=False)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from e
+    if getattr(args, "core", None) is None:
+        spawn_core(role, args)
+    settings = args.engine_settings
     server = Server(settings.listen, [service_name])
     add_to_server(service, server.server)
     metrics.serve(args.metrics_listen)
@@ -91,10 +105,7 @@ async def serve_engine_service(role: str, service_name: str, service, add_to_ser
 
         def died():
             loop.create_task(server.set_status(health_pb2.HealthCheckResponse.NOT_SERVING))
-        from ember.cluster.wan import parse_routes
-        service.engine = await SubprocessEngineClient.start(settings.engine, kvstore=settings.kvstore,
-                                                            use_shm=settings.shared_memory, on_death=died,
-                                                            routes=parse_routes(args.route))
+        service.engine = await SubprocessEngineClient.ready(args.core, on_death=died)
         metrics.watch_engine(service.engine)
 
     async def stop():

@@ -253,9 +253,7 @@ class engine_core:  # noqa: N801 - reads as what it is: engine_core(cluster, nam
     serves is held while a drain is watched. Letting go of a core that has exited is nothing."""
 
     def __init__(self, cluster: Cluster, name: str):
-        import psutil
-        [self.process] = [c for c in psutil.Process(cluster.pid(name)).children()
-                          if "ember.serving.core_process" in c.cmdline()]
+        self.process = cluster.core(name)
 
     def suspend(self) -> None:
         self.process.suspend()

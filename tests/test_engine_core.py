@@ -12,7 +12,6 @@ import time
 from dataclasses import replace
 
 import grpc
-import psutil
 import pytest
 
 from ember.cluster.ports import write_kvstore_config
@@ -259,8 +258,7 @@ def test_a_killed_engine_core_makes_its_service_not_serving_and_streams_unavaila
     from ember.cluster.status import health
     from tests.cluster_fixture import wait_until
     cluster = exact_cluster.cluster
-    decode = psutil.Process(cluster.pid("decode-edge"))
-    [core] = [c for c in decode.children() if "ember.serving.core_process" in c.cmdline()]
+    core = cluster.core("decode-edge")
     try:
         with RouterClient(cluster.router) as client:
             stream = client.stream(text="Count slowly: one, two, three,", max_tokens=2000, ignore_eos=True,

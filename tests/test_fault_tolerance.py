@@ -213,7 +213,7 @@ def test_prefill_fails_over_to_the_other_worker_then_to_the_decode_site(ha, engi
         if time.monotonic() - started < 1.0:
             return False
         victims.extend(ha.kill("prefill-central-0"))
-        # its engine core, mid-prefill, exits with the service, not after the step (exit_with_parent)
+        # its engine core, mid-prefill, exits with the service, not after the step (exit_with_service)
         wait_dead(victims, timeout_s=AT_ONCE_S)
         return True
     disturbed = run_streams(ha.router, ids, during=kill_one)

@@ -90,9 +90,7 @@ def test_a_stream_cut_halfway_recomputes_the_same_tokens_and_leaves_no_lease(lin
     result: list = []
     request = threading.Thread(target=lambda: result.append(generate(linked, ids, "cut")), daemon=True)
     request.start()
-    import psutil
-    [core] = [c for c in psutil.Process(linked.pid("prefill-central")).children()
-              if "ember.serving.core_process" in c.cmdline()]
+    core = linked.core("prefill-central")
     try:
         wait_until(lambda: edge_blocks(linked) - before >= PROMPT_TOKENS // 16 // 2 or not request.is_alive(), 120,
                    "the first chunk (half the blocks) at the edge")

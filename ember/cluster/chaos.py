@@ -61,12 +61,24 @@ class Cluster:
         return json.loads((self.run_dir / "pids.json").read_text())[name]
 
     def kill(self, name: str) -> list[int]:
-        """SIGKILL the service `name` (its engine core follows when its socket closes); its pids
-        and its children's, for `wait_dead`."""
+        """SIGKILL the service `name` (its engine core follows when its socket closes); its pids,
+        its children's and its engine core's, for `wait_dead`."""
         proc = psutil.Process(self.pid(name))
         pids = [proc.pid] + [c.pid for c in proc.children(recursive=True)]
+        if self.services[name]["role"] in ("prefill", "decode") and (core := self.core(name)) is not None:
+            pids.append(core.pid)
         os.kill(proc.pid, signal.SIGKILL)
-        return pids
+        return list(dict.fromkeys(pids))
+
+    def core(self, name: str) -> psutil.Process | None:
+        """Engine service `name`'s engine core process (its /metrics say which: a core forked by the
+        engine template is the template's child, not the service's), or None when it has none."""
+        from ember.cluster.status import scrape
+        pid = scrape(self.services[name].get("metrics")).get("ember:engine_core_pid")
+        try:
+            return psutil.Process(int(pid)) if pid else None
+        except psutil.NoSuchProcess:
+            return None
 
     def restart(self, name: str, timeout_s: float = 240) -> dict[str, float]:
         """Start `name` again from its recorded argv (as `ember up` did: same log, passive OpenMP

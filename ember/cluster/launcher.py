@@ -12,6 +12,7 @@ naming its folder; RUN_DIR/certs/operator is what `ember status`, benchmarks and
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -105,12 +106,32 @@ def service_commands(config: ClusterConfig, config_path: Path, run_dir: Path | N
         spec.write_text(json.dumps(relays, indent=1))
         commands["links"] = ([py, "-m", "ember.cluster.wan", "--spec", str(spec),  # faults.json: the chaos harness
                               "--faults", str(spec.parent / "faults.json")], None)
+    if any(svc.role in ("prefill", "decode") for svc in services(config)):  # engine cores fork from it
+        commands[TEMPLATE] = ([py, "-m", "ember.serving.template", "--socket", template_socket(run_dir or
+                                                                                             config_path.parent)], None)
     for svc in services(config):
         argv = [py, "-m", f"ember.services.{svc.role}", "--config", cfg, *svc.args()]
         argv += [a for r in routes.get(svc.name, []) for a in ("--route", r)]
         argv += ["--metrics-listen", ports.address()]  # every gRPC service also serves Prometheus /metrics
         commands[svc.name] = (argv, svc.address)
     return commands
+
+
+TEMPLATE = "engine-template"
+
+
+def template_socket(run_dir: Path) -> str:
+    """The engine template's socket (abstract namespace: no file to go stale, no path-length limit)."""
+    return "@ember-engine-template-" + hashlib.sha256(str(Path(run_dir).resolve()).encode()).hexdigest()[:16]
+
+
+def service_extra_env(config: ClusterConfig, run_dir: Path, name: str, commands: dict) -> dict[str, str]:
+    """What service `name` runs with beyond service_env: its certificate folder; an engine service,
+    the engine template to fork its core from."""
+    env = tls_env(config, run_dir, name)
+    if TEMPLATE in commands and name.startswith(("prefill", "decode")):
+        env["EMBER_ENGINE_TEMPLATE"] = template_socket(run_dir)
+    return env
 
 
 def prepare_model(config: ClusterConfig) -> Path:
@@ -209,14 +230,15 @@ def up(config_path: str | Path | None = None, run_dir: str | Path | None = None,
         write_cluster_certs(config, run_dir / "certs")
     try:
         for name, (argv, _) in commands.items():
-            procs[name] = spawn(run_dir, name, argv, {**(env or {}), **tls_env(config, run_dir, name)})
+            procs[name] = spawn(run_dir, name, argv, {**(env or {}), **service_extra_env(config, run_dir, name,
+                                                                                        commands)})
             (run_dir / "pids.json").write_text(json.dumps({n: p.pid for n, p in procs.items()}))
         specs = {svc.name: svc for svc in services(config)}
         (run_dir / "services.json").write_text(json.dumps(  # for `ember status`, restarts and tests
             {n: {"address": a, "role": specs[n].role if n in specs else n,
                  "site": specs[n].site if n in specs else None,
                  "metrics": argv[argv.index("--metrics-listen") + 1] if "--metrics-listen" in argv else None,
-                 "argv": argv, "env": {**(env or {}), **tls_env(config, run_dir, n)}}
+                 "argv": argv, "env": {**(env or {}), **service_extra_env(config, run_dir, n, commands)}}
              for n, (argv, a) in commands.items()}, indent=1))
         deadline = time.monotonic() + timeout_s
         creds = credentials(run_dir)

@@ -34,6 +34,9 @@ RPC_ERRORS = Counter("ember:request_errors", "Calls that ended in an error, by g
 RUNNING = Gauge("ember:num_requests_running", "Sequences in the running batch")
 WAITING = Gauge("ember:num_requests_waiting", "Sequences waiting for admission")
 KV_USAGE = Gauge("ember:kv_cache_usage_perc", "Fraction of the paged KV pool referenced by sequences")
+CORE_PID = Gauge("ember:engine_core_pid", "The engine core's process id (forked by the engine template, "
+                 "ember.serving.template, it is not this service's child)")
+KV_CAPACITY = Gauge("ember:kv_cache_capacity_tokens", "Tokens the paged KV pool holds (blocks x block size)")
 PROMPT_TOKENS_BY_TIER = Gauge("ember:prompt_tokens_by_tier", "Prompt tokens of finished requests by where their KV "
                               "came from: l1 (engine pool), l2 (site kvstore), computed", ["tier"])
 PREFIX_QUERIES = Counter("ember:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
@@ -149,6 +152,8 @@ def watch_engine(client) -> None:
     RUNNING.set_function(lambda: client.snapshot.running)
     WAITING.set_function(lambda: client.snapshot.waiting)
     KV_USAGE.set_function(lambda: client.snapshot.used_blocks / max(1, client.snapshot.total_blocks))
+    KV_CAPACITY.set_function(lambda: client.snapshot.total_blocks * client.info.block_size)
+    CORE_PID.set_function(lambda: client.info.pid)
     for tier in ("l1", "l2", "computed"):
         PROMPT_TOKENS_BY_TIER.labels(tier).set_function(lambda t=tier: getattr(client.snapshot, f"tokens_{t}"))
     if _ENGINE_COUNTERS.client is None:

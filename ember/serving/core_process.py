@@ -13,25 +13,28 @@ import logging
 import os
 import signal
 import sys
+import time
 from multiprocessing.connection import Connection
 
-PARENT_POLL_S = 0.2
+START = time.monotonic()
 
-
-def exit_with_parent() -> None:
-    """Exit within PARENT_POLL_S of the service's death (a SIGKILL included): the closed socket
-    is only seen between steps, and a long prefill would compute on for nobody, on cores the
-    surviving workers need. A thread, not PR_SET_PDEATHSIG: that fires when the spawning
-    *thread* ends, which need not be the service's end."""
+def exit_with_service(fd: int) -> None:
+    """Exit as soon as the service's end of socket `fd` closes (its death, a SIGKILL included): the
+    closed socket is otherwise only seen between steps, and a long prefill would compute on for
+    nobody, on cores the surviving workers need. A thread polling the socket for its peer's hang-up
+    (POLLRDHUP), not the parent's pid: a core forked by the engine template is not its service's
+    child; nor PR_SET_PDEATHSIG, which fires when the spawning *thread* ends."""
+    import select
     import threading
-    import time
-    parent = os.getppid()
 
     def watch():
-        while os.getppid() == parent:
-            time.sleep(PARENT_POLL_S)
-        os._exit(0)
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+        poller = select.poll()
+        poller.register(fd, select.POLLRDHUP)
+        while True:
+            for _, events in poller.poll():
+                if events & (select.POLLRDHUP | select.POLLHUP | select.POLLERR | select.POLLNVAL):
+                    os._exit(0)
+    threading.Thread(target=watch, name="exit-with-service", daemon=True).start()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,11 +48,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="reach another site's kvstore ADDRESS through RELAY (an emulated link)")
     args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the service, which shuts us down
-    exit_with_parent()
+    exit_with_service(args.fd)
     conn = Connection(args.fd)
 
     from ember.rpc import logs
     logs.setup("engine-core")
+    phases = [("started", time.monotonic())]
     try:
         from ember.engine.config import EngineConfig
         from ember.engine.engine import LLMEngine
@@ -59,11 +63,14 @@ def main(argv: list[str] | None = None) -> int:
             from ember.rpc import security
             security.install(security.Credentials.load(args.tls_dir))
         values = json.loads(args.config)
+        phases.append(("imports", time.monotonic()))
         if args.kvstore:  # a model missing here (an empty cache) is fetched through the site kvstore first
             from ember.rpc import model_fetch, security
             model_fetch.ensure_model_file(values["model"], args.kvstore, security.current())
+            phases.append(("model fetch", time.monotonic()))
         engine = LLMEngine(EngineConfig(**values))  # (pinned to engine.cpus, if set)
-        engine.grammars.tokenizer  # noqa: B018 - prepared now (~0.3 s), not in the batch of the first constrained request
+        phases.append(("engine", time.monotonic()))
+        engine.grammars.prepare()  # (~0.3 s on a thread: not on the start-up path, nor in the first constrained step)
         connector = None
         if args.kvstore:
             from ember.rpc import security
@@ -83,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return 1
     conn.send(("ready", info))
+    phases.append(("connector", time.monotonic()))
+    logging.getLogger("ember.engine").info(
+        "engine core ready in %.2f s since its process started (%s)", phases[-1][1] - START,
+        ", ".join(f"{name} {t - before:.2f} s" for (name, t), (_, before) in zip(phases, [("", START), *phases])))
     conn.send(([], core.snapshot()))  # the gauges (its memory among them) before any request
     from ember.serving.engine_client import serve_loop
     from ember.serving.engine_core import error_info

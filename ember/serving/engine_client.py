@@ -27,7 +27,6 @@ from multiprocessing.connection import Connection
 from ember.engine.outputs import RequestOutput
 from ember.engine.sampling_params import SamplingParams
 from ember.errors import InvalidRequestError
-from ember.rpc import tracing
 from ember.serving.messages import MEMORY_REFRESH_S, AddRequest, CoreInfo, ErrorInfo, KVPlan, Snapshot
 
 log = logging.getLogger("ember.engine")
@@ -80,6 +79,7 @@ class EngineClient:
         self._loop = asyncio.get_running_loop()
         if request_id in self._streams:
             raise InvalidRequestError(f"request_id {request_id!r} is already running")
+        from ember.rpc import tracing  # (not at import: a service spawns its core before its gRPC stack loads)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = stream
         finished = False
@@ -219,18 +219,41 @@ class SubprocessEngineClient(EngineClient):
         """Spawn the core for `config` (an EngineConfig, or its fields as a dict: the core resolves their
         "auto" values, so the service never imports torch) and wait until its model is warm. `routes`:
         other sites' kvstores -> the emulated links in front of them (the core streams KV there)."""
+        return await cls.ready(cls.spawn(config, kvstore, use_shm, routes), on_death)
+
+    @staticmethod
+    def spawn(config, kvstore: str | None = None, use_shm: bool = True, routes: dict[str, str] | None = None
+              ) -> tuple[subprocess.Popen, Connection]:
+        """Start the core's process now (a service does this first thing, so the core's imports and model
+        load overlap the service's own start-up); `ready` waits for it."""
         mine, theirs = socket.socketpair()
-        argv = [sys.executable, "-m", "ember.serving.core_process", "--fd", str(theirs.fileno()),
-                "--config", json.dumps(config) if isinstance(config, dict) else config.model_dump_json()]
+        args = ["--config", json.dumps(config) if isinstance(config, dict) else config.model_dump_json()]
         if kvstore:
-            argv += ["--kvstore", kvstore] + ([] if use_shm else ["--no-shm"])
-            argv += [a for true, relay in (routes or {}).items() for a in ("--route", f"{true}={relay}")]
+            args += ["--kvstore", kvstore] + ([] if use_shm else ["--no-shm"])
+            args += [a for true, relay in (routes or {}).items() for a in ("--route", f"{true}={relay}")]
         from ember.rpc import security
         if security.current() is not None:  # the core dials the kvstore as this service
-            argv += ["--tls-dir", str(security.current().folder)]
-        process = subprocess.Popen(argv, pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL)
+            args += ["--tls-dir", str(security.current().folder)]
+        template = os.environ.get("EMBER_ENGINE_TEMPLATE")
+        process = None
+        if template:  # forked from a warm interpreter (ember.serving.template), else a fresh one
+            from ember.serving.template import ForkedCore, request_core
+            try:
+                process = ForkedCore(request_core(template, args, theirs.fileno()))
+            except (OSError, RuntimeError, ValueError) as e:
+                log.warning("no engine template at %s (%s): starting the engine core afresh", template, e)
+        if process is None:
+            process = subprocess.Popen([sys.executable, "-m", "ember.serving.core_process", "--fd",
+                                        str(theirs.fileno()), *args], pass_fds=[theirs.fileno()],
+                                       stdin=subprocess.DEVNULL)
         theirs.close()
-        conn = Connection(mine.detach())
+        return process, Connection(mine.detach())
+
+    @classmethod
+    async def ready(cls, spawned: tuple[subprocess.Popen, Connection], on_death: Callable[[], None] | None = None
+                    ) -> SubprocessEngineClient:
+        """The client of a spawned core, once its model is warm."""
+        process, conn = spawned
         try:
             first = await asyncio.to_thread(conn.recv)
         except (EOFError, OSError):
