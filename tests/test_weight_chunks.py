@@ -1,8 +1,10 @@
 """Model weights as content-addressed chunks: the manifest and the codecs (bit-exact, a corrupted chunk
 found), the chunk store's bounds, and real kvstores (real gRPC, mTLS, the emulated-links relay) moving a
 model to an edge site whose host has none: a link cut midway fails clearly and leaves no half file; a
-chunk corrupted on a store's disk is refused by its hash and fetched again; a decode worker with an
-empty model cache fetches the model and serves the same tokens as one loaded from disk."""
+chunk corrupted on a store's disk is refused by its hash and fetched again; a fetched GGUF's load caches
+arrive verified and are used as they are (nothing rebuilt), a corrupted one refused and fetched again; a
+decode worker with an empty model cache fetches the model and serves the same tokens as one loaded from
+disk."""
 from __future__ import annotations
 
 import hashlib
@@ -19,7 +21,7 @@ import pytest
 
 from ember.cluster.chaos import Cluster
 from ember.cluster.staged import Staged
-from ember.model import weight_codec
+from ember.model import derived, weight_codec
 from ember.model.fetch import DEFAULT_MODEL, MODELS
 from ember.model.weight_chunks import Manifest, ManifestError, build_manifest, chunk_ranges, file_regions
 from ember.rpc import security
@@ -143,20 +145,20 @@ def test_the_chunk_store_evicts_least_recently_used_models_never_a_pinned_one(tm
 
 # --- kvstores over an emulated link ---------------------------------------------------------------
 
-LINK_GBPS = 0.25  # ~3 s for the model: time to cut it midway
+LINK_GBPS = 1.0  # the issue's edge link (a cut midway slows it to 1/100 first: time to cut it)
 
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory, model_path):
-    """The two-site cluster's kvstores and links relay (central's host has the model in its cache, edge's
-    an empty cache), central <-> edge an emulated 20 ms, 0.25 Gbit/s link, mTLS."""
+    """The two-site cluster's kvstores and links relay (central's host has the model and its load caches
+    in its cache, edge's an empty cache), central <-> edge an emulated 20 ms, 1 Gbit/s link, mTLS."""
     if model_path.suffix != ".gguf":
         pytest.skip("needs the default GGUF")
     run_dir = tmp_path_factory.mktemp("weights")
     addr = write_config(run_dir / "cluster.yaml", overrides={
         "model": DEFAULT_MODEL, "placement": {"emulate_links": True},
         "links": [{"a": "central", "b": "edge", "rtt_ms": 20, "bandwidth_gbps": LINK_GBPS}],
-        "kvstore": {"chunks_dir": str(run_dir / "chunks"), "chunks_capacity_mb": 512}})
+        "kvstore": {"chunks_dir": str(run_dir / "chunks"), "chunks_capacity_mb": 1024}})
     staged = Staged(run_dir / "cluster.yaml", run_dir)
     central_cache = str(model_path.parent.parent)  # the host that has the model
     try:
@@ -188,14 +190,15 @@ def test_a_link_cut_midway_fails_clearly_leaves_no_half_file_and_the_next_fetch_
 
     def fetch():
         try:
-            outcome["path"] = ensure_model_file(dest, addr["kv_edge"], _creds(staged), pin=False)
+            outcome["path"] = ensure_model_file(dest, addr["kv_edge"], _creds(staged), pin=False, load_caches=False)
         except ModelFetchError as e:
             outcome["error"] = e
+    cluster = Cluster(staged.run_dir)
+    cluster.set_faults({cluster.relay_to("kvstore-central"): "slow"})  # 10 Mbit/s: time to cut it midway
     worker = threading.Thread(target=fetch)
     worker.start()
-    cluster = Cluster(staged.run_dir)
     total = len({c.hash for _, c in build_manifest(model_path).chunks()})
-    pulled = wait_until(lambda: (n := _stats(staged, addr["kv_edge"]).chunks_pulled) >= 3 and n, 120,
+    pulled = wait_until(lambda: (n := _stats(staged, addr["kv_edge"]).chunks_pulled) >= 1 and n, 120,
                         "the edge store pulling its first chunks")
     cluster.set_faults({cluster.relay_to("kvstore-central"): "reset"})
     try:
@@ -209,8 +212,8 @@ def test_a_link_cut_midway_fails_clearly_leaves_no_half_file_and_the_next_fetch_
         assert not dest.exists() and _leftovers(dest.parent) == []  # no half file, no temporary one
     finally:
         cluster.set_faults({})
-    path = ensure_model_file(dest, addr["kv_edge"], _creds(staged), pin=False)
-    assert _sha(path) == MODELS[DEFAULT_MODEL].sha256 and _leftovers(dest.parent) == [FILENAME]
+    path = ensure_model_file(dest, addr["kv_edge"], _creds(staged), pin=False, load_caches=False)
+    assert _sha(path) == MODELS[DEFAULT_MODEL].sha256 and _leftovers(dest.parent) == [FILENAME, FILENAME + ".sha256"]
     after = _stats(staged, addr["kv_edge"])
     assert after.chunks_pulled == total  # what crossed before the cut was kept, nothing crossed twice
     assert after.wire_bytes_pulled < path.stat().st_size  # compressed on the wire
@@ -222,7 +225,8 @@ def test_a_chunk_corrupted_on_a_stores_disk_is_refused_by_its_hash_and_fetched_a
     chunks = [c for _, c in manifest.chunks() if c.kind == "q4_1"]
     at_edge, at_central = chunks[5], chunks[9]
     edge_dir, central_dir = staged.run_dir / "chunks" / "edge", staged.run_dir / "chunks" / "central"
-    ensure_model_file(staged.run_dir / "warm" / FILENAME, addr["kv_edge"], _creds(staged), pin=False)
+    ensure_model_file(staged.run_dir / "warm" / FILENAME, addr["kv_edge"], _creds(staged), pin=False,
+                      load_caches=False)
     # one chunk damaged on the edge store's disk (the worker's source); another damaged on central's
     # disk and gone from edge's (the edge store's source)
     _flip(next((edge_dir / "chunks" / at_edge.hash[:2]).glob(at_edge.hash + ".*")))
@@ -230,12 +234,15 @@ def test_a_chunk_corrupted_on_a_stores_disk_is_refused_by_its_hash_and_fetched_a
     next((edge_dir / "chunks" / at_central.hash[:2]).glob(at_central.hash + ".*")).unlink()
     before_edge, before_central = _stats(staged, addr["kv_edge"]), _stats(staged, addr["kv_central"])
     dest = staged.run_dir / "worker-b" / "models" / FILENAME
-    path = ensure_model_file(dest, addr["kv_edge"], _creds(staged), pin=False)
+    path = ensure_model_file(dest, addr["kv_edge"], _creds(staged), pin=False, load_caches=False)
     assert _sha(path) == MODELS[DEFAULT_MODEL].sha256
     edge, central = _stats(staged, addr["kv_edge"]), _stats(staged, addr["kv_central"])
-    assert edge.chunks_refused > before_edge.chunks_refused  # central's bad copy, refused on arrival at edge
-    assert central.chunks_repaired > before_central.chunks_repaired  # and repaired from central's own file
-    assert edge.chunks_repaired >= before_edge.chunks_repaired + 2  # the worker refused edge's bad copy too
+    # the worker refuses edge's bad copy and asks again with verify: the edge store finds it bad (refused)
+    # and fetches it again; the chunk gone from edge's disk is fetched from central checked: central is
+    # asked to verify, finds its own copy bad and repairs it from its file first
+    assert edge.chunks_refused > before_edge.chunks_refused
+    assert central.chunks_repaired > before_central.chunks_repaired
+    assert edge.chunks_repaired >= before_edge.chunks_repaired + 2
 
 
 def _flip(path: Path) -> None:
@@ -250,6 +257,8 @@ def test_bad_requests_get_clear_statuses(stores):
         stub = kvstore_pb2_grpc.WeightStoreStub(ch)
         cases = [(stub.GetManifest, kvstore_pb2.ManifestRequest(model_id="xyz"), grpc.StatusCode.INVALID_ARGUMENT),
                  (stub.GetManifest, kvstore_pb2.ManifestRequest(name="no-such-model.gguf"), grpc.StatusCode.NOT_FOUND),
+                 (stub.GetManifest, kvstore_pb2.ManifestRequest(name=derived.derived_name(FILENAME, "0" * 64)),
+                  grpc.StatusCode.NOT_FOUND),  # load caches of a file nobody has: the worker builds its own
                  (stub.PullModel, kvstore_pb2.PullModelRequest(model_id="0" * 64), grpc.StatusCode.NOT_FOUND),
                  (stub.RenewModel, kvstore_pb2.ModelLeaseRequest(lease_id=999, lease_s=5),
                   grpc.StatusCode.FAILED_PRECONDITION)]
@@ -265,6 +274,49 @@ def test_bad_requests_get_clear_statuses(stores):
         with pytest.raises(grpc.RpcError) as e:
             kvstore_pb2_grpc.WeightStoreStub(ch).PullModel(kvstore_pb2.PullModelRequest(name=FILENAME), timeout=30)
         assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_a_fetched_ggufs_load_caches_arrive_verified_and_are_used_not_rebuilt(stores, model_path):
+    from ember.model import q4_cache
+    from ember.model.files import cache_dir_for, ensure_gguf_cache, is_q4_1_gguf, sha256_file
+    staged, addr, _ = stores
+    sha256 = MODELS[DEFAULT_MODEL].sha256
+    published = derived.publishable(model_path, sha256)
+    if published is None or q4_cache.FILE not in published:
+        pytest.skip("the central host's load caches are not current (ember fetch-model makes them)")
+    dest = staged.run_dir / "worker-c" / "models" / FILENAME
+    path = ensure_model_file(dest, addr["kv_edge"], _creds(staged), pin=False)
+    folder, central = cache_dir_for(path), cache_dir_for(model_path)
+    assert sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()) == sorted(published)
+    for rel in (q4_cache.FILE, "config.json", "tokenizer.json"):  # (every chunk and file was checked on arrival)
+        assert sha256_file(folder / rel) == sha256_file(central / rel), rel
+    stamps = _stamps(folder)
+    assert ensure_gguf_cache(path) == folder and q4_cache.ensure(path) == folder / q4_cache.FILE
+    assert is_q4_1_gguf(path)
+    assert _stamps(folder) == stamps  # what the loader asks for is current as fetched: nothing was rebuilt
+    assert not [name for name in _leftovers(dest.parent) if name.startswith(".")]  # no partial folder left
+
+    # a derived chunk damaged on the edge store's disk: the worker refuses it, the store fetches it again
+    manifest = Manifest.from_json(_manifest_bytes(staged, addr, derived.derived_name(FILENAME, sha256)))
+    bad = next(c for f, c in manifest.chunks() if f.path == q4_cache.FILE)
+    _flip(next((staged.run_dir / "chunks" / "edge" / "chunks" / bad.hash[:2]).glob(bad.hash + ".*")))
+    before = _stats(staged, addr["kv_edge"])
+    again = ensure_model_file(staged.run_dir / "worker-d" / "models" / FILENAME, addr["kv_edge"], _creds(staged),
+                              pin=False)
+    after = _stats(staged, addr["kv_edge"])
+    assert after.chunks_refused > before.chunks_refused and after.chunks_repaired > before.chunks_repaired
+    assert q4_cache.cached(again) is not None
+    assert sha256_file(cache_dir_for(again) / q4_cache.FILE) == sha256_file(central / q4_cache.FILE)
+
+
+def _stamps(folder: Path) -> dict:
+    return {p: (p.stat().st_ino, p.stat().st_mtime_ns, p.stat().st_size) for p in folder.rglob("*") if p.is_file()}
+
+
+def _manifest_bytes(staged, addr, name: str) -> bytes:
+    with security.dial(addr["kv_edge"], _creds(staged)) as ch:
+        return kvstore_pb2_grpc.WeightStoreStub(ch).GetManifest(kvstore_pb2.ManifestRequest(name=name),
+                                                                 timeout=60).manifest
 
 
 def test_a_decode_worker_with_an_empty_cache_fetches_the_model_and_serves_the_same_tokens(stores, engine):
@@ -286,6 +338,8 @@ def test_a_decode_worker_with_an_empty_cache_fetches_the_model_and_serves_the_sa
     want = engine.generate([ids], SamplingParams(max_tokens=12))[0]
     assert got == list(want.token_ids)
     assert _stats(staged, addr["kv_edge"]).pinned_models >= 1  # the worker holds its model in its site store
+    if "fetched the load caches" not in (staged.run_dir / "decode-edge.log").read_text():
+        assert derived.publishable(Path(central_cache) / "models" / FILENAME, MODELS[DEFAULT_MODEL].sha256) is None
 
 
 def _complete(client, ids: list[int]):

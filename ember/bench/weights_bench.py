@@ -15,8 +15,11 @@ There is no real bf16 checkpoint on this machine (and no internet): say which is
 1 Gbit/s link (the `ember.cluster.wan` relay): seconds from its start to its first streamed token, with
 compressed chunks and with raw ones (EMBER_MODEL_FETCH_CODEC=raw: every hop uncompressed), against a
 worker loading the model from its disk; the fetch itself from the worker's log; its tokens against the
-disk worker's. Central's kvstore is asked for the manifest once before the timed starts (it seeds its
-chunks from its file on the first request: ~1-2 s, once per store).
+disk worker's. The fetched worker gets the GGUF and then its load caches (ember.model.derived: the
+HF-layout folder and the int4 packs, published by central's store from its host's current caches), so
+it builds nothing. Central's kvstore is asked for both manifests once before the timed starts (it seeds
+its chunks from its files on the first request: ~1-2 s for the GGUF, ~3-7 s for the caches, once per
+store).
 """
 from __future__ import annotations
 
@@ -99,7 +102,9 @@ def first_token_runs(model: Path, run_dir: Path, modes: list[str]) -> dict:
     from ember.client import RouterClient
     from ember.cluster.ports import write_local_config
     from ember.cluster.staged import Staged
+    from ember.model.derived import derived_name
     from ember.model.fetch import DEFAULT_MODEL, MODELS
+    from ember.model.weight_chunks import Manifest
     from ember.rpc import security
     from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
     if model.suffix != ".gguf" or model.name != MODELS[DEFAULT_MODEL].filename:
@@ -118,9 +123,15 @@ def first_token_runs(model: Path, run_dir: Path, modes: list[str]) -> dict:
         staged.start("router", {"EMBER_CACHE_DIR": home})
         operator = security.Credentials.load(run_dir / "certs" / "kvstore-edge")
         with security.dial(addr["kv_central"], operator) as ch:  # central seeds its chunks (once per store)
+            stub = kvstore_pb2_grpc.WeightStoreStub(ch)
             start = time.perf_counter()
-            kvstore_pb2_grpc.WeightStoreStub(ch).GetManifest(kvstore_pb2.ManifestRequest(name=model.name), timeout=300)
+            reply = stub.GetManifest(kvstore_pb2.ManifestRequest(name=model.name), timeout=300)
             results["central_seed_s"] = round(time.perf_counter() - start, 2)
+            sha256 = Manifest.from_json(reply.manifest).files[0].sha256
+            start = time.perf_counter()
+            reply = stub.GetManifest(kvstore_pb2.ManifestRequest(name=derived_name(model.name, sha256)), timeout=300)
+            results["central_seed_load_caches_s"] = round(time.perf_counter() - start, 2)
+            results["load_caches_bytes"] = Manifest.from_json(reply.manifest).size
         with RouterClient(addr["router"]) as client:
             for mode in modes:
                 progress(f"decode worker at the edge: {mode}")
@@ -163,15 +174,17 @@ def first_token(client, start: float, staged) -> tuple[float, float, list[int]]:
 def fetch_figures(log: Path, staged, kv_edge: str, creds) -> dict:
     from ember.rpc import security
     from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
-    fetched = None
+    fetched = caches = None
     for line in log.read_text(errors="replace").splitlines()[::-1]:
-        if "fetched model" in line:
-            text = json.loads(line).get("message", line) if line.startswith("{") else line
+        text = json.loads(line).get("message", line) if line.startswith("{") else line
+        if "fetched model" in text and fetched is None:
             fetched = float(text.rsplit(" in ", 1)[1].split()[0])
-            break
+        if "fetched the load caches" in text and caches is None:
+            caches = float(text.rsplit(" in ", 1)[1].split()[0])
     with security.dial(kv_edge, creds) as ch:
         stats = kvstore_pb2_grpc.WeightStoreStub(ch).WeightStats(kvstore_pb2.StatsRequest(), timeout=10)
-    return {"fetch_s": fetched, "wire_bytes": stats.wire_bytes_pulled, "chunks_pulled": stats.chunks_pulled}
+    return {"fetch_s": fetched, "load_caches_fetch_s": caches, "wire_bytes": stats.wire_bytes_pulled,
+            "chunks_pulled": stats.chunks_pulled}
 
 
 def main(args) -> int:

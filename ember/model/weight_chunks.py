@@ -14,6 +14,7 @@ Reassembly is bit-exact: every chunk is checked against its hash, then the whole
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import struct
@@ -62,8 +63,8 @@ class Manifest:
                 "files": [{**asdict(f), "chunks": [asdict(c) for c in f.chunks]} for f in self.files]}
         return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
-    @property
-    def id(self) -> str:
+    @functools.cached_property
+    def id(self) -> str:  # (computed once: stores look models up by it per chunk)
         return hashlib.sha256(self.to_json()).hexdigest()
 
     @property

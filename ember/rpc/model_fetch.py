@@ -6,7 +6,11 @@ pulls and pins every chunk (from the cheapest peer site that has them), and stre
 chunk is decoded and checked against its sha256, then written at its offset into a temporary file
 beside `path` (a folder for an HF model). Only when every chunk verified and each whole file's sha256
 equals the manifest's (and, for a named model, the sha256 its spec pins) is it renamed into place:
-a half-fetched model is never found at `path`, and a failure removes the temporary file.
+a half-fetched model is never found at `path`, and a failure removes the temporary file. The site
+store pulls in the background and streams each chunk here as it arrives there; files are written
+around the page cache (ember.util.direct_io). A fetched GGUF's load caches (ember.model.derived) follow
+the same way, tied to the fetched file and renamed into place before it (not published anywhere, or not
+fetched whole: the engine builds them).
 
 Failures raise ModelFetchError with the gRPC status that caused them (UNAVAILABLE: no source could
 deliver; NOT_FOUND: no kvstore of the cluster has the model; DATA_LOSS: chunks kept failing their
@@ -30,6 +34,7 @@ import grpc
 from ember.model import weight_codec
 from ember.model.weight_chunks import Chunk, FileEntry, Manifest, ManifestError, chunk_hash
 from ember.rpc import security
+from ember.util.direct_io import DirectWriter
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 
 LEASE_S = 30.0
@@ -47,10 +52,12 @@ class ModelFetchError(RuntimeError):
 
 
 def ensure_model_file(path: str | Path, kvstore_address: str | None, creds: security.Credentials | None = None,
-                      codec: str | None = None, pin: bool = True) -> Path:
+                      codec: str | None = None, pin: bool = True, load_caches: bool = True) -> Path:
     """`path`, fetched through the kvstore at `kvstore_address` first when it does not exist.
     `codec` "raw" asks for uncompressed chunks on every hop (`ember bench weights`' baseline; None: the
-    environment's EMBER_MODEL_FETCH_CODEC, else chunks as the stores hold them)."""
+    environment's EMBER_MODEL_FETCH_CODEC, else chunks as the stores hold them). With `load_caches`, a
+    fetched GGUF's load caches (ember.model.derived) are fetched too when a site publishes them (else
+    the engine builds them, as it does for a file on disk)."""
     codec = os.environ.get("EMBER_MODEL_FETCH_CODEC", "") if codec is None else codec
     path = Path(path)
     if path.exists():
@@ -58,22 +65,81 @@ def ensure_model_file(path: str | Path, kvstore_address: str | None, creds: secu
     if not kvstore_address:
         raise FileNotFoundError(f"model not found: {path} (and no kvstore to fetch it from)")
     start = time.perf_counter()
+    _build_kernels_meanwhile()
     with security.dial(kvstore_address, creds) as ch:
         stub = kvstore_pb2_grpc.WeightStoreStub(ch)
         manifest = _manifest(stub, path.name)
-        lease = _pull(stub, manifest, codec)
-        try:
-            _download(stub, manifest, path, codec)
-        except BaseException:
-            _release(stub, lease.lease_id)
-            raise
+        caches = None
+
+        def fetch_caches(model_tmp: Path) -> None:  # the model verified, not yet in place
+            nonlocal caches
+            if load_caches and path.suffix == ".gguf" and not manifest.folder:
+                caches = _fetch_caches(stub, path, model_tmp, manifest.files[0].sha256, codec)
+        held = [(manifest, _fetch(stub, manifest, path, codec, fetch_caches)), *([caches] if caches else [])]
         if not pin:
-            _release(stub, lease.lease_id)
-    log.info("fetched model %s (%s, %d bytes) through %s in %.2f s", path.name, manifest.id[:16], manifest.size,
-             kvstore_address, time.perf_counter() - start)
+            for _, lease in held:
+                _release(stub, lease.lease_id)
+    log.info("fetched model %s (%s, %d bytes%s) through %s in %.2f s", path.name, manifest.id[:16], manifest.size,
+             f", and its load caches: {caches[0].size} bytes" if caches else "", kvstore_address,
+             time.perf_counter() - start)
     if pin:
-        ModelPin(kvstore_address, creds, manifest.id, lease.lease_id, lease.expires_in_s).start()
+        for m, lease in held:
+            ModelPin(kvstore_address, creds, m.id, lease.lease_id, lease.expires_in_s).start()
     return path
+
+
+def _build_kernels_meanwhile() -> None:
+    """A host whose cache is empty also compiles the engine's C++ kernels (ember.kernels.native: seconds
+    of g++) on the engine's first use: started now, in a thread, it overlaps the model's transfer."""
+    def build() -> None:
+        with contextlib.suppress(Exception):
+            from ember.kernels import native
+            native.library()
+    threading.Thread(target=build, name="kernels-build", daemon=True).start()
+
+
+def _fetch(stub, manifest: Manifest, path: Path, codec: str, before_rename=None):
+    """`manifest` fetched to `path` through the site store, which pulls what it lacks in the background
+    while each chunk is streamed here as it arrives there; returns the lease pinning it in that store."""
+    leases: list = []
+    try:
+        _download(stub, manifest, path, codec, leases, before_rename)
+    except BaseException:
+        for lease in leases:
+            _release(stub, lease.lease_id)
+        raise
+    lease = leases.pop()
+    for old in leases:
+        _release(stub, old.lease_id)
+    return lease
+
+
+def _fetch_caches(stub, path: Path, model_tmp: Path, sha256: str, codec: str):
+    """The GGUF's load caches (ember.model.derived) fetched into its cache folder, tied to the fetched
+    file at `model_tmp` (content `sha256`): (manifest, lease), or None when no site publishes them or
+    they could not be fetched whole (the engine then builds them)."""
+    from ember.model import derived
+    from ember.model.files import cache_dir_for
+    name = derived.derived_name(path.name, sha256)
+    start = time.perf_counter()
+
+    def adopt(tmp: Path) -> None:
+        try:
+            derived.adopt(tmp, model_tmp, sha256)
+        except (OSError, derived.DerivedCacheError) as e:
+            raise ModelFetchError(grpc.StatusCode.DATA_LOSS, f"load caches of {path.name}: {e}") from None
+    try:
+        manifest = _manifest(stub, name)
+        if not manifest.folder or manifest.name != name:
+            raise ModelFetchError(grpc.StatusCode.DATA_LOSS, f"asked for {name}, the store answered {manifest.name}")
+        lease = _fetch(stub, manifest, cache_dir_for(path), codec, adopt)
+    except ModelFetchError as e:
+        (log.info if e.code == grpc.StatusCode.NOT_FOUND else log.warning)(
+            "load caches of %s not fetched (%s): the engine builds them", path.name, e)
+        return None
+    log.info("fetched the load caches of %s (%s, %d bytes) in %.2f s: not built here", path.name, manifest.id[:16],
+             manifest.size, time.perf_counter() - start)
+    return manifest, lease
 
 
 def _manifest(stub, name: str) -> Manifest:
@@ -98,11 +164,12 @@ def _named_sha256(filename: str) -> str | None:
 
 
 def _pull(stub, manifest: Manifest, codec: str):
-    """The site store holds every chunk, pinned: its PullModel, tried ATTEMPTS times."""
+    """The site store pins the model and pulls what it lacks in the background (GetWeightChunks then
+    streams each chunk as it arrives there): its PullModel, tried ATTEMPTS times."""
     for attempt in range(ATTEMPTS):
         try:
-            return stub.PullModel(kvstore_pb2.PullModelRequest(model_id=manifest.id, lease_s=LEASE_S, codec=codec),
-                                  timeout=TIMEOUT_S)
+            return stub.PullModel(kvstore_pb2.PullModelRequest(model_id=manifest.id, lease_s=LEASE_S, codec=codec,
+                                                               background=True), timeout=TIMEOUT_S)
         except grpc.RpcError as e:
             if e.code() not in RETRYABLE or attempt == ATTEMPTS - 1:
                 raise ModelFetchError(e.code(), f"pulling {manifest.name} into the site kvstore "
@@ -117,41 +184,74 @@ def _release(stub, lease_id: int) -> None:
         stub.RenewModel(kvstore_pb2.ModelLeaseRequest(lease_id=lease_id, lease_s=0), timeout=10)
 
 
-def _download(stub, manifest: Manifest, path: Path, codec: str) -> None:
+def _download(stub, manifest: Manifest, path: Path, codec: str, leases: list, before_rename=None) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.partial")
     _remove(tmp)
     try:
-        targets = {}  # file -> open file object
+        targets = {}  # file -> its writer (whole blocks around the page cache: ember.util.direct_io)
         places: dict[str, list[tuple[FileEntry, Chunk]]] = {}
         for f, c in manifest.chunks():
             places.setdefault(c.hash, []).append((f, c))
         for f in manifest.files:
             target = tmp / f.path if manifest.folder else tmp
             target.parent.mkdir(parents=True, exist_ok=True)
-            out = open(target, "wb")
-            out.truncate(f.size)
-            targets[f.path] = out
+            targets[f.path] = DirectWriter(target, f.size)
+        hashing = {f.path: _InOrder(f, tmp / f.path if manifest.folder else tmp) for f in manifest.files}
         try:
-            _receive(stub, manifest, places, targets, codec)
+            _receive(stub, manifest, places, targets, codec, leases, hashing)
             for out in targets.values():
-                out.flush()
-                os.fsync(out.fileno())
+                out.fsync()
         finally:
             for out in targets.values():
                 out.close()
         for f in manifest.files:
-            actual = _sha256(tmp / f.path if manifest.folder else tmp)
+            actual = hashing[f.path].digest() or _sha256(tmp / f.path if manifest.folder else tmp)
             if actual != f.sha256:
                 raise ModelFetchError(grpc.StatusCode.DATA_LOSS, f"{f.path}: reassembled sha256 {actual}, "
                                                                  f"manifest says {f.sha256}")
+        if before_rename is not None:
+            before_rename(tmp)
         path.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(tmp, path)  # (a folder: renamed whole; `path` did not exist)
+        if manifest.folder and path.is_dir():  # (a stale folder of load caches: set aside, then removed)
+            old = path.with_name(f".{path.name}.{os.getpid()}.old")
+            _remove(old)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            _remove(old)
+        else:
+            os.replace(tmp, path)  # (a folder: renamed whole)
+        if not manifest.folder:  # its sha256 remembered beside it (ember.model.files.sha256_stamped): not hashed again
+            with contextlib.suppress(OSError):
+                stat = path.stat()
+                path.with_name(path.name + ".sha256").write_text(
+                    f"{manifest.files[0].sha256} {stat.st_size} {stat.st_mtime_ns}\n")
     except BaseException:
         _remove(tmp)
         raise
 
 
-def _receive(stub, manifest: Manifest, places: dict, targets: dict, codec: str) -> None:
+class _InOrder:
+    """A file's sha256 computed while its chunks are written (in file order: a chunk written ahead of
+    the next one hashed waits; a duplicate chunk's bytes are read back from the file)."""
+
+    def __init__(self, entry: FileEntry, path: Path):
+        self.chunks, self.path, self.next = sorted(entry.chunks, key=lambda c: c.offset), path, 0
+        self.written: set[int] = set()
+        self.sha = hashlib.sha256()
+
+    def wrote(self, chunk: Chunk, data: bytes) -> None:
+        self.written.add(chunk.offset)
+        while self.next < len(self.chunks) and self.chunks[self.next].offset in self.written:
+            c = self.chunks[self.next]
+            self.sha.update(data if c.offset == chunk.offset else _read_at(self.path, c.offset, c.length))
+            self.next += 1
+
+    def digest(self) -> str | None:
+        return self.sha.hexdigest() if self.next == len(self.chunks) else None
+
+
+def _receive(stub, manifest: Manifest, places: dict, targets: dict, codec: str, leases: list,
+             hashing: dict) -> None:
     todo = set(places)
     verify = False
 
@@ -165,10 +265,12 @@ def _receive(stub, manifest: Manifest, places: dict, targets: dict, codec: str) 
         if chunk_hash(data) != h:
             return False
         for f, c in places[h]:
-            os.pwrite(targets[f.path].fileno(), data, c.offset)
+            targets[f.path].pwrite(data, c.offset)
+            hashing[f.path].wrote(c, data)
         return True
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="model-fetch") as pool:
         for attempt in range(ATTEMPTS):
+            leases.append(_pull(stub, manifest, codec))  # pinned there, and its missing chunks on their way
             request = kvstore_pb2.WeightChunksRequest(model_id=manifest.id, codec=codec, verify=verify,
                                                       chunk_hashes=[bytes.fromhex(h) for h in places if h in todo])
             placing: list[tuple[str, concurrent.futures.Future]] = []
@@ -205,6 +307,12 @@ def _receive(stub, manifest: Manifest, places: dict, targets: dict, codec: str) 
             verify = verify or bad > 0  # the store checks (and repairs) its copies before sending them again
     raise ModelFetchError(grpc.StatusCode.DATA_LOSS, f"{len(todo)} chunk(s) of {manifest.name} kept failing "
                                                      f"their hash after {ATTEMPTS} attempts")
+
+
+def _read_at(path: Path, offset: int, length: int) -> bytes:
+    with open(path, "rb") as f:
+        f.seek(offset)
+        return f.read(length)
 
 
 def _sha256(path: Path) -> str:

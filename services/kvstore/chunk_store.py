@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ember.errors import CapacityError
 from ember.model.weight_chunks import Chunk, Manifest, ManifestError
+from ember.util import direct_io
 
 
 class ModelLeaseError(LookupError):
@@ -121,7 +122,7 @@ class ChunkStore:
         path = self._path(chunk_hash, codec)
         path.parent.mkdir(exist_ok=True)
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_bytes(data)
+        direct_io.write_file(tmp, data)  # (around the page cache: a store holds and relays, it does not read)
         tmp.replace(path)
         self.chunks[chunk_hash] = (codec, len(data))
         self.bytes += len(data)
@@ -131,7 +132,7 @@ class ChunkStore:
         """(codec, stored bytes); KeyError when absent (or gone from disk)."""
         codec, _ = self.chunks[chunk_hash]
         try:
-            return codec, self._path(chunk_hash, codec).read_bytes()
+            return codec, direct_io.read_file(self._path(chunk_hash, codec))
         except FileNotFoundError:
             self._forget(chunk_hash)
             raise KeyError(chunk_hash) from None
