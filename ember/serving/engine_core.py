@@ -159,6 +159,9 @@ class EngineCore:
         now = time.monotonic()
         if fresh or self.memory_due():
             from ember.engine.footprint import engine_memory
+            from ember.util.memory import trim
+            if not (self.engine.has_unfinished() or self.pending):
+                trim()  # idle: the last step's freed buffers go back to the OS (~1 ms)
             try:
                 self._memory = tuple(engine_memory(self.engine).items())
             except Exception:  # noqa: BLE001 - a gauge never takes the engine down

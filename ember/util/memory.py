@@ -10,7 +10,8 @@
 - kv_arena_maps: a kvstore's memfd arena, or an engine's read-only map of its site kvstore's arena;
 - code: every other file mapping (libraries, Python's own files);
 - heap: malloc's bytes in use (mallinfo2) less the tracked tensors allocated there;
-- allocator_slack: free bytes malloc holds and has not given back (mallinfo2's fordblks);
+- allocator_slack: free memory malloc holds resident (its arenas' resident pages, smaps, less
+  their bytes in use, mallinfo2);
 - python: pymalloc's arenas (small Python objects);
 - stack: the main thread's stack;
 - unaccounted: the resident size less all of the above. The parts come from different sources
@@ -50,18 +51,31 @@ if _mallinfo2 is not None:
     _mallinfo2.restype = _MallInfo2
 
 
-class Mapping:
-    __slots__ = ("start", "end", "path", "rss")
+ARENA_ALIGN = 64 << 20  # glibc's thread arenas: heaps of at most 64 MiB, aligned to their size
 
-    def __init__(self, start: int, end: int, path: str):
-        self.start, self.end, self.path, self.rss = start, end, path, 0
+
+class Mapping:
+    __slots__ = ("start", "end", "perms", "path", "rss")
+
+    def __init__(self, start: int, end: int, perms: str, path: str):
+        self.start, self.end, self.perms, self.path, self.rss = start, end, perms, path, 0
 
     @property
     def anonymous(self) -> bool:
         return self.path in ("", "[heap]", "[stack]") or self.path.startswith("[anon")
 
 
-_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(.*)$")
+    def malloc_arena(self, following: Mapping | None) -> bool:
+        """malloc's main heap ([heap]) or a thread arena's heap (an anonymous read-write mapping at a
+        64 MiB boundary whose reserved rest follows it, inaccessible)."""
+        if self.path == "[heap]":
+            return True
+        return (self.path == "" and self.perms.startswith("rw") and self.start % ARENA_ALIGN == 0
+                and (self.end - self.start == ARENA_ALIGN or (following is not None and following.start == self.end
+                                                              and following.perms.startswith("---"))))
+
+
+_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+\s*(.*)$")
 
 
 def mappings(pid: int | str = "self") -> list[Mapping]:
@@ -71,7 +85,7 @@ def mappings(pid: int | str = "self") -> list[Mapping]:
         for line in f:
             m = _HEADER.match(line)
             if m:
-                out.append(Mapping(int(m[1], 16), int(m[2], 16), m[3]))
+                out.append(Mapping(int(m[1], 16), int(m[2], 16), m[3], m[4]))
             elif line.startswith("Rss:"):
                 out[-1].rss = int(line.split()[1]) * 1024
     return out
@@ -97,12 +111,20 @@ def no_huge_pages(address: int, nbytes: int) -> None:
     _libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(address + nbytes - start), 15)  # MADV_NOHUGEPAGE
 
 
+def trim() -> None:
+    """Give malloc's free memory back to the OS (malloc_trim): an idle engine keeps what it uses,
+    not the high-water mark of its last big step."""
+    if hasattr(_libc, "malloc_trim"):
+        _libc.malloc_trim(0)
+
+
 def malloc_info() -> tuple[int, int]:
-    """(bytes malloc has handed out and not had back, bytes it holds free): mallinfo2, all arenas."""
+    """(bytes in use in malloc's arenas, bytes in use in chunks of their own mappings): mallinfo2,
+    all arenas."""
     if _mallinfo2 is None:
         return 0, 0
     info = _mallinfo2()
-    return info.uordblks + info.hblkhd, info.fordblks
+    return info.uordblks, info.hblkhd
 
 
 def pymalloc_bytes() -> int:
@@ -158,9 +180,12 @@ def report(tracked: dict[str, list[tuple[int, int]]] | None = None, pid: int | s
                 continue  # in a mapped file: counted with it
             parts[part] += resident_bytes(address, nbytes)
             allocated += nbytes
-    in_use, free = malloc_info()
-    parts["heap"] = max(0, in_use - allocated)
-    parts["allocator_slack"] = free
+    in_arenas, in_own_maps = malloc_info()
+    arenas = sum(m.rss for i, m in enumerate(maps) if m.malloc_arena(maps[i + 1] if i + 1 < len(maps) else None))
+    parts["heap"] = max(0, in_arenas + in_own_maps - allocated)
+    # free memory malloc holds resident: its arenas' resident pages less what is in use there (its
+    # free counter, fordblks, also counts pages malloc_trim gave back)
+    parts["allocator_slack"] = max(0, arenas - in_arenas)
     parts["python"] = pymalloc_bytes()
     rss = sum(m.rss for m in maps)
     parts["unaccounted"] = rss - sum(parts.values())
