@@ -278,7 +278,7 @@ def down(run_dir: str | Path | None = None, grace_s: float = 15) -> list[str]:
         _signal(pid, signal.SIGKILL)
         if (proc := _children.pop(pid, None)) is not None:
             proc.wait(timeout=10)
-    pid_file.unlink()
+    pid_file.unlink(missing_ok=True)  # (two `ember down`s at once: the other may have removed it)
     return list(pids)
 
 
