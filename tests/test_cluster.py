@@ -449,12 +449,19 @@ def test_ember_status_shows_health_load_and_kv(cluster):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["status", "--run-dir", str(run_dir)]) == 0
-    lines = out.getvalue().splitlines()
+    health, memory = out.getvalue().split("\n\n")
+    lines = health.splitlines()
     assert lines[0].split()[:3] == ["service", "address", "health"]
     by_name = {line.split()[0]: line for line in lines[1:]}
     assert set(by_name) == {"router", "prefill-central", "decode-edge", "kvstore-central", "kvstore-edge"}
     assert all(" SERVING " in line for line in by_name.values())
     assert "%" in by_name["decode-edge"], "decode shows its KV pool usage"
+    # resident memory by part: every service's own process, and each engine service's core
+    rows = [line.split() for line in memory.splitlines()[2:]]
+    assert {(r[0], r[1]) for r in rows} == {(n, "service") for n in by_name} | {
+        ("prefill-central", "engine-core"), ("decode-edge", "engine-core")}
+    weights = {r[0]: float(r[3]) for r in rows if r[1] == "engine-core"}
+    assert all(w > 0 for w in weights.values()), weights
 
 
 def test_service_logs_are_json_with_request_ids(client, cluster):

@@ -158,10 +158,10 @@ def full_config(model_path: Path) -> dict:
                   {"a": "central", "b": "east", "rtt_ms": 40, "bandwidth_gbps": 1}],
         "regions": [{"name": "users-west", "reach": [{"site": "west", "rtt_ms": 5}, {"site": "east", "rtt_ms": 30}]}],
         "hardware": {"big": profile},
-        "engine": {"dtype": "float32", "weights": "dense", "block_size": 16, "memory_utilization": 0.05,
+        "engine": {"dtype": "float32", "weights": "dense", "block_size": 16, "memory_utilization": 0.5,
                    "max_num_seqs": 16, "max_num_batched_tokens": 512, "max_model_len": 2048, "threads": 1,
                    "cpus": "auto",
-                   "prefill": {"kv_cache_mb": 64, "memory_utilization": 0.06, "max_num_seqs": 4,
+                   "prefill": {"kv_cache_mb": 64, "memory_utilization": 0.6, "max_num_seqs": 4,
                                "max_num_batched_tokens": 256, "threads": 1},
                    # (every core this process may use: the engine built in-process pins its caller)
                    "decode": {"max_num_seqs": 8, "cpus": format_cpus(host_cpus())}},

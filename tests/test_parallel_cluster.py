@@ -11,14 +11,15 @@ from tests.conftest import PROMPTS
 
 
 def _rank_processes() -> list:
-    """Processes spawned by an engine core (`python -m ember.serving.core_process`) of this test run."""
+    """Processes spawned by an engine core (`python -m ember.serving.core_process`, or forked by the
+    engine template: `python -m ember.serving.template`) of this test run."""
     import psutil
     ranks = []
     for proc in psutil.process_iter(["cmdline", "ppid"]):
         try:
             if "spawn_main" in " ".join(proc.info["cmdline"] or []):
                 parent = " ".join(psutil.Process(proc.info["ppid"]).cmdline())
-                if "ember.serving.core_process" in parent:
+                if "ember.serving.core_process" in parent or "ember.serving.template" in parent:
                     ranks.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass

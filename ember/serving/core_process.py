@@ -70,7 +70,6 @@ def main(argv: list[str] | None = None) -> int:
             phases.append(("model fetch", time.monotonic()))
         engine = LLMEngine(EngineConfig(**values))  # (pinned to engine.cpus, if set)
         phases.append(("engine", time.monotonic()))
-        engine.grammars.prepare()  # (~0.3 s on a thread: not on the start-up path, nor in the first constrained step)
         connector = None
         if args.kvstore:
             from ember.rpc import security
@@ -85,16 +84,16 @@ def main(argv: list[str] | None = None) -> int:
                                     routes=parse_routes(args.route))
         core = EngineCore(engine, connector)
         info = CoreInfo(os.getpid(), engine.config.block_size, engine.block_manager.root_hash,
-                        engine.loaded.args.vocab_size, engine.max_model_len, list(engine.kernels))
+                        engine.loaded.args.vocab_size, engine.max_model_len, list(engine.kernels), core.memory())
     except Exception as e:  # noqa: BLE001 - reported to the service, which fails its start-up
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return 1
     conn.send(("ready", info))
     phases.append(("connector", time.monotonic()))
+    engine.grammars.prepare()  # (~0.3 s on a thread, after ready: not in the start, nor in a first constrained step)
     logging.getLogger("ember.engine").info(
         "engine core ready in %.2f s since its process started (%s)", phases[-1][1] - START,
         ", ".join(f"{name} {t - before:.2f} s" for (name, t), (_, before) in zip(phases, [("", START), *phases])))
-    conn.send(([], core.snapshot()))  # the gauges (its memory among them) before any request
     from ember.serving.engine_client import serve_loop
     from ember.serving.engine_core import error_info
 

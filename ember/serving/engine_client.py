@@ -207,6 +207,7 @@ class SubprocessEngineClient(EngineClient):
                  on_death: Callable[[], None] | None):
         super().__init__(on_death)
         self.process, self._conn, self.info = process, conn, info
+        self.snapshot = Snapshot(memory=info.memory)  # (until its first turn's)
         self._send_lock = threading.Lock()
         self._loop = asyncio.get_running_loop()
         self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)

@@ -96,3 +96,4 @@ class CoreInfo:
     vocab_size: int
     max_model_len: int
     kernels: list[str] = field(default_factory=list)
+    memory: tuple[tuple[str, int], ...] = ()  # its resident memory by part when it became ready
