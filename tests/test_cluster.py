@@ -108,8 +108,10 @@ def test_second_turn_moves_only_new_blocks(client, cluster, engine):
         before.blocks_pulled
     assert decode_after.blocks_grpc == decode_before.blocks_grpc
     assert after.pinned_blocks == 0 and after.leases == 0, "decode released its lease"
-    # the router read the (in-memory) block directory: both sites hold turn 1's blocks
-    assert dict(second.final.placement.cached_blocks) == {"central": len(turn1) // 16, "edge": len(turn1) // 16}
+    # the router read the (in-memory) block directory: both sites hold turn 1's blocks (the edge perhaps one
+    # more: decode's background write-back of the block its answer filled may land before turn 2's lookup)
+    cached = dict(second.final.placement.cached_blocks)
+    assert cached["central"] == len(turn1) // 16 and cached["edge"] in (len(turn1) // 16, len(turn1) // 16 + 1), cached
 
 
 @pytest.mark.parametrize("kwargs, field", [
