@@ -9,14 +9,14 @@ with llama.cpp's llama-server on the same GGUF in the same run (issue 32).
    the cluster's sum counts a shared page once) and unique (USS); each engine core's own report by part
    (ember.util.memory: weights, KV pool, ...) and its resident size less weights and KV pool.
 3. A SIGKILLed decode worker (service and core) started again (ember.cluster.chaos.Cluster.restart)
-   until the router counts it live, `--restarts` times (median).
+   until the router counts it live, three times (once with --quick; the median).
 4. llama-server `-np 8 -c 32768` (8 slots of 4,096 tokens: KV for 32,768 tokens, allocated and
    cleared up front), same GGUF, 2 threads: seconds to healthy and to a first streamed token, and
    its RSS/PSS after the same chat. Skipped, and said so, when it is not built
    (scripts/build-llama-server.sh).
 
 Ember's KV pools are bigger (each engine's is what is left of its memory_utilization budget: ~2 GB,
-~87k tokens on this 24 GiB host) but resident only as blocks are written; the table says both
+~96k tokens on this 24 GiB host) but resident only as blocks are written; the table says both
 capacities. Timings on a shared 2-core host: compare within one run.
 """
 from __future__ import annotations
@@ -75,37 +75,27 @@ def process_memory(cluster) -> dict[str, dict]:
     return out
 
 
-def engine_reports(run_dir: Path) -> dict[str, dict]:
-    """Each engine core's memory report by part (its service's /metrics), MB."""
+def engine_figures(run_dir: Path) -> tuple[dict[str, dict], dict[str, int]]:
+    """From each engine service's /metrics (one scrape each): its core's memory report by part (MB),
+    and its KV pool's capacity in tokens."""
     from ember.cluster.status import scrape
     from ember.util.memory import PARTS
     services = json.loads((run_dir / "services.json").read_text())
-    out = {}
+    reports, capacity = {}, {}
     for name, info in services.items():
         if not name.startswith(("prefill", "decode")):
             continue
         m = scrape(info.get("metrics"))
+        if "ember:kv_cache_capacity_tokens" in m:
+            capacity[name] = int(m["ember:kv_cache_capacity_tokens"])
         key = 'ember:memory_resident_bytes{process="engine-core"}'
         if key not in m:
             continue
         parts = {p: m.get(f'ember:memory_bytes{{part="{p}",process="engine-core"}}', 0) / 2**20 for p in PARTS}
         rss = m[key] / 2**20
-        out[name] = {"rss_mb": round(rss, 1), **{f"{p}_mb": round(v, 1) for p, v in parts.items()},
-                     "rss_less_weights_and_kv_mb": round(rss - parts["weights"] - parts["kv_pool"], 1)}
-    return out
-
-
-def kv_capacity_tokens(run_dir: Path) -> dict[str, int]:
-    """Each engine's KV pool capacity in tokens (its Stats: total blocks x block size)."""
-    from ember.cluster.status import scrape
-    services = json.loads((run_dir / "services.json").read_text())
-    out = {}
-    for name, info in services.items():
-        if name.startswith(("prefill", "decode")):
-            m = scrape(info.get("metrics"))
-            if "ember:kv_cache_capacity_tokens" in m:
-                out[name] = int(m["ember:kv_cache_capacity_tokens"])
-    return out
+        reports[name] = {"rss_mb": round(rss, 1), **{f"{p}_mb": round(v, 1) for p, v in parts.items()},
+                         "rss_less_weights_and_kv_mb": round(rss - parts["weights"] - parts["kv_pool"], 1)}
+    return reports, capacity
 
 
 def served_model(http: str) -> str:
@@ -150,8 +140,7 @@ def ember_run(model: str | None, folder: Path, starts: int, restarts: int) -> di
         time.sleep(6)  # (an engine core's memory report in its snapshot is up to 5 s old)
         cluster = Cluster(run_dir)
         out["processes"] = process_memory(cluster)
-        out["engine_reports"] = engine_reports(run_dir)
-        out["kv_capacity_tokens"] = kv_capacity_tokens(run_dir)
+        out["engine_reports"], out["kv_capacity_tokens"] = engine_figures(run_dir)
         for key in ("rss_mb", "pss_mb", "uss_mb"):
             out[f"total_{key}"] = round(sum(p[key] for p in out["processes"].values()), 1)
         times = []
