@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import pytest
@@ -138,16 +139,26 @@ def cluster(exact_cluster) -> Cluster:
 
 def watch_startup(cluster: Cluster, name: str, timeout_s: float = 240) -> list[tuple[float, int | None, str]]:
     """Start engine worker `name` again and poll its health, and a real call to it, until it is SERVING:
-    (seconds, health, what the call got) per poll."""
+    (seconds, health, what the call got) per poll. Its core's ready is held (EMBER_TEST_CORE_READY_GATE)
+    until a call has been refused while it loads (or for COLD_WATCH_S at most): a core forked from the
+    warm engine template can be ready before its service first answers, which shows nothing."""
     seen: list[tuple[float, int | None, str]] = []
-    watcher = threading.Thread(target=_watch, args=(cluster, name, timeout_s, seen), daemon=True)
+    gate = cluster.run_dir / f"{name}.ready-gate"
+    gate.unlink(missing_ok=True)
+    watcher = threading.Thread(target=_watch, args=(cluster, name, timeout_s, seen, gate), daemon=True)
     watcher.start()
-    cluster.restart(name, timeout_s)
+    try:
+        cluster.restart(name, timeout_s, env={"EMBER_TEST_CORE_READY_GATE": str(gate)})
+    finally:
+        gate.touch()
     watcher.join(timeout=10)
     return seen
 
 
-def _watch(cluster: Cluster, name: str, timeout_s: float, seen: list) -> None:
+COLD_WATCH_S = 60
+
+
+def _watch(cluster: Cluster, name: str, timeout_s: float, seen: list, gate: Path) -> None:
     start = time.monotonic()
     address = cluster.services[name]["address"]
     ch = channel(address, "router")
@@ -176,6 +187,8 @@ def _watch(cluster: Cluster, name: str, timeout_s: float, seen: list) -> None:
         seen.append((time.monotonic() - start, status, probe))
         if status == SERVING:
             return
+        if probe == "UNAVAILABLE" or time.monotonic() - start > COLD_WATCH_S:
+            gate.touch()  # seen refusing while cold: let its core say ready
         time.sleep(0.05)
 
 

@@ -58,6 +58,7 @@ class Sites:
         self.run_dir = run_dir
         self.central, self.central_data, self.edge, self.edge_data = addr(), addr(), addr(), addr()
         relayed = {self.central: addr(), self.central_data: addr()}
+        self.data_relay = relayed[self.central_data]
         (run_dir / "cluster.yaml").write_text(yaml.safe_dump({
             "router": {"listen": addr()},  # no router runs: the stores' directory publishing just retries
             "sites": [{"name": "central", "kvstore": self.central, "kvstore_data": self.central_data},
@@ -67,8 +68,9 @@ class Sites:
         (run_dir / "links.json").write_text(json.dumps(
             [{"listen": relay, "target": true, "rtt_ms": 2, "gbps": LINK_GBPS} for true, relay in relayed.items()]))
         self.procs: list[subprocess.Popen] = []
+        self.faults = run_dir / "faults.json"
         self.relay = self._start("relay", [sys.executable, "-m", "ember.cluster.wan", "--spec",
-                                           str(run_dir / "links.json")])
+                                           str(run_dir / "links.json"), "--faults", str(self.faults)])
         routes = [arg for true, relay in relayed.items() for arg in ("--route", f"{true}={relay}")]
         for site, address in (("central", self.central), ("edge", self.edge)):
             proc = self._start(f"kvstore-{site}", [sys.executable, "-m", "ember.services.kvstore", "--config",
@@ -86,6 +88,14 @@ class Sites:
 
     def edge_stats(self) -> kvstore_pb2.StatsResponse:
         return self._edge_stub.Stats(kvstore_pb2.StatsRequest(), timeout=10)
+
+    def set_faults(self, faults: dict[str, str]) -> None:
+        """{relay listen address: mode} (ember.cluster.wan's faults), once the relay applies them."""
+        text = json.dumps(faults)
+        self.faults.with_suffix(".tmp").write_text(text)
+        self.faults.with_suffix(".tmp").replace(self.faults)
+        applied = Path(str(self.faults) + ".applied")
+        wait_until(lambda: applied.exists() and applied.read_text() == text, 30, f"the relay applying {text}")
 
     def holder(self, first: int, count: int) -> tuple[subprocess.Popen, Path]:
         """A process leasing blocks first.. at edge (pulled from central) through a KVConnector."""
@@ -166,15 +176,21 @@ def test_a_holder_killed_mid_pull_leaves_no_lease(sites):
     frames = blocks(1000, SLOW_PULL_BLOCKS)
     put_at_central(sites, frames)
     before = sites.edge_stats()
-    proc, log = sites.holder(1000, SLOW_PULL_BLOCKS)
-    wait_until(lambda: (s := sites.edge_stats()).leases == 1 and s.blocks > before.blocks, 30,
-               "the holder's pull under way")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=10)
-    assert "leased" not in log.read_text(), "killed before its pull answered"
-    freed = wait_until(lambda: (s := sites.edge_stats()).leases == 0 and s.pinned_blocks == 0 and s,
-                       TTL_S + AT_ONCE_S, "the lease freed")
-    assert freed.blocks < before.blocks + SLOW_PULL_BLOCKS, "the pull was cut short"
+    # the data link at 1/100 of its rate (~5 s a block): however fast this host, the pull is still
+    # under way when its holder is killed
+    sites.set_faults({sites.data_relay: "slow"})
+    try:
+        proc, log = sites.holder(1000, SLOW_PULL_BLOCKS)
+        wait_until(lambda: (s := sites.edge_stats()).leases == 1 and s.blocks > before.blocks, 60,
+                   "the holder's pull under way")
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert "leased" not in log.read_text(), "killed before its pull answered"
+        freed = wait_until(lambda: (s := sites.edge_stats()).leases == 0 and s.pinned_blocks == 0 and s,
+                           TTL_S + AT_ONCE_S, "the lease freed")
+        assert freed.blocks < before.blocks + SLOW_PULL_BLOCKS, "the pull was cut short"
+    finally:
+        sites.set_faults({})
 
 
 def test_a_holder_killed_while_holding_frees_its_lease_within_the_ttl(sites):

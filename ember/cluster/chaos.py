@@ -80,14 +80,16 @@ class Cluster:
         except psutil.NoSuchProcess:
             return None
 
-    def restart(self, name: str, timeout_s: float = 240) -> dict[str, float]:
+    def restart(self, name: str, timeout_s: float = 240, env: dict[str, str] | None = None) -> dict[str, float]:
         """Start `name` again from its recorded argv (as `ember up` did: same log, passive OpenMP
-        waits, JSON logs) and wait until it serves and, for a prefill or decode worker, until the
-        router counts it live. Seconds from the call to each: {"serving_s", "router_live_s"}."""
+        waits, JSON logs; `env` added to its environment) and wait until it serves and, for a prefill
+        or decode worker, until the router counts it live. Seconds from the call to each:
+        {"serving_s", "router_live_s"}."""
         start = time.monotonic()
         info = self.services[name]
         log = self.run_dir / f"{name}.log"
-        proc = spawn(self.run_dir, name, info["argv"], info.get("env", {}))  # (env: its certificate folder)
+        # (its recorded env: its certificate folder)
+        proc = spawn(self.run_dir, name, info["argv"], {**info.get("env", {}), **(env or {})})
         pids = json.loads((self.run_dir / "pids.json").read_text())
         if (old := child(pids.get(name, -1))) is not None:
             old.poll()  # reap the process it replaces (killed), if it was ours

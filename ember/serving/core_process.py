@@ -37,6 +37,13 @@ def exit_with_service(fd: int) -> None:
     threading.Thread(target=watch, name="exit-with-service", daemon=True).start()
 
 
+def hold_ready_until_exists(gate: str | None) -> None:
+    """A test's hold on a warm core (EMBER_TEST_CORE_READY_GATE=PATH): it says ready only once PATH
+    exists, so a worker's not-yet-warm phase can be watched however fast this host loads a model."""
+    while gate and not os.path.exists(gate):
+        time.sleep(0.02)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="ember.serving.core_process")
     p.add_argument("--fd", type=int, required=True)
@@ -88,8 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - reported to the service, which fails its start-up
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return 1
-    conn.send(("ready", info))
     phases.append(("connector", time.monotonic()))
+    hold_ready_until_exists(os.environ.get("EMBER_TEST_CORE_READY_GATE"))
+    conn.send(("ready", info))
     engine.grammars.prepare()  # (~0.3 s on a thread, after ready: not in the start, nor in a first constrained step)
     logging.getLogger("ember.engine").info(
         "engine core ready in %.2f s since its process started (%s)", phases[-1][1] - START,
