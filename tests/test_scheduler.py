@@ -2,7 +2,7 @@
 from ember.engine.block_manager import BlockManager
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.scheduler import Scheduler
-from ember.engine.sequence import SeqStatus, Sequence
+from ember.engine.sequence import SeqStatus, Sequence, Tenant
 
 ROOT = b"\x00" * 16
 
@@ -264,3 +264,69 @@ def test_decodes_beyond_the_budget_take_turns():
             counts[s.request_id] += 1
         finish_step(sched, batch)
     assert sorted(counts.values()) == [6, 6, 6, 6]
+
+
+def tenant_seq(n, rid, tenant, start, weight=1.0):
+    s = seq(n, rid, start)
+    s.tenant = Tenant(tenant, weight)
+    return s
+
+
+def test_a_tenants_request_goes_ahead_of_another_tenants_queued_burst():
+    sched = Scheduler(BlockManager(256, 16, ROOT), max_num_seqs=64, max_num_batched_tokens=64)
+    burst = [tenant_seq(40, f"a{i}", "A", 1000 * i) for i in range(6)]
+    for s in burst:
+        sched.add(s)
+    finish_step(sched, sched.schedule())  # A's first prompt is under way
+    late = tenant_seq(40, "b", "B", 90_000)  # longer remaining than nothing, but B runs nothing
+    sched.add(late)
+    batch = sched.schedule()
+    assert "b" in [s.request_id for s in batch.seqs]
+    order = [s.request_id for s in batch.seqs if s.num_computed_tokens == 0 and s.request_id != "a0"]
+    assert order[0] == "b", order  # ahead of A's queued prompts (all as short as it)
+
+
+def test_one_tenant_keeps_the_queue_order_it_had():
+    sched = Scheduler(BlockManager(256, 16, ROOT), max_num_seqs=8, max_num_batched_tokens=512)
+    for i, n in enumerate((60, 20, 40)):
+        sched.add(tenant_seq(n, f"s{i}", "only", 1000 * i))
+    batch = sched.schedule()
+    assert [s.request_id for s in batch.seqs] == ["s1", "s2", "s0"]  # shortest remaining first, as always
+
+
+def test_a_full_batch_gives_a_seat_to_a_new_tenant_by_preempting_the_burst():
+    sched = Scheduler(BlockManager(256, 16, ROOT), max_num_seqs=4, max_num_batched_tokens=512)
+    burst = [tenant_seq(16, f"a{i}", "A", 1000 * i) for i in range(6)]
+    for s in burst:
+        sched.add(s)
+    finish_step(sched, sched.schedule())
+    assert len(sched.running) == 4  # A alone fills the batch
+    b = tenant_seq(16, "b", "B", 90_000)
+    sched.add(b)
+    batch = sched.schedule()
+    assert b.status is SeqStatus.RUNNING and b in batch.seqs
+    assert [s.request_id for s in batch.preempted] == ["a3"]  # A's newest gave its seat back
+    assert batch.num_decodes == 3 and len(batch.seqs) == 4  # (its decode token unscheduled)
+    finish_step(sched, batch)
+    sched.add(tenant_seq(16, "b2", "B", 95_000))  # 3 A > 1 + 1 B: one more seat changes hands
+    batch = sched.schedule()
+    assert [s.request_id for s in batch.preempted] == ["a2"]
+    finish_step(sched, batch)
+    b3 = tenant_seq(16, "b3", "B", 97_000)  # 2 A, 2 B: an even split stays (no seat moves back and forth)
+    sched.add(b3)
+    batch = sched.schedule()
+    assert not batch.preempted and b3.status is SeqStatus.WAITING
+
+
+def test_weights_set_the_seats_a_tenant_keeps():
+    sched = Scheduler(BlockManager(256, 16, ROOT), max_num_seqs=4, max_num_batched_tokens=512)
+    for i in range(4):
+        sched.add(tenant_seq(16, f"a{i}", "A", 1000 * i, weight=3.0))
+    finish_step(sched, sched.schedule())
+    sched.add(tenant_seq(16, "b", "B", 90_000))
+    batch = sched.schedule()
+    assert [s.request_id for s in batch.preempted] == ["a3"]  # 4/3 > (0+1)/1
+    finish_step(sched, batch)
+    sched.add(tenant_seq(16, "b2", "B", 95_000))
+    batch = sched.schedule()
+    assert not batch.preempted  # A's 3/3 is not more than B's (1+1)/1

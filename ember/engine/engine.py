@@ -24,7 +24,7 @@ from ember.engine.outputs import RequestOutput
 from ember.engine.sampler import adjust_logits, apply_masks, sample, token_logprobs
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.scheduler import Scheduler
-from ember.engine.sequence import Sequence
+from ember.engine.sequence import NO_TENANT, Sequence, Tenant
 from ember.engine.speculation import NgramIndex, accepted_prefix
 from ember.engine.step_policy import SLO
 from ember.errors import NotFoundError
@@ -158,12 +158,14 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams = SamplingParams(),
                     request_id: str | None = None, output_prefix: list[int] = (), check_queue: bool = True,
-                    cache_salt: bytes = b"", shared_blocks: int = 0, streamed: bool = False) -> str:
+                    cache_salt: bytes = b"", shared_blocks: int = 0, streamed: bool = False,
+                    tenant: Tenant = NO_TENANT) -> str:
         """Queue a request. `output_prefix`: tokens of this request already generated
         elsewhere (the first token, sampled by a prefill server); they count towards
         max_tokens and the text, whose part already streamed is not streamed again.
         `cache_salt`, `shared_blocks`: its tenant's hash chain (ember.kv.block_hash).
-        `streamed`: its KV is sent on chunk by chunk as it prefills (its chunks halve)."""
+        `streamed`: its KV is sent on chunk by chunk as it prefills (its chunks halve). `tenant`: whose
+        it is, for the scheduler's fair queue."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.seqs:
             raise InvalidRequestError(f"request_id {request_id!r} is already running")
@@ -175,7 +177,7 @@ class LLMEngine:
             raise InvalidRequestError("output_prefix already reaches max_tokens: nothing left to generate")
         seed = params.seed if params.seed is not None else random.getrandbits(63)
         seq = Sequence(request_id, token_ids + list(output_prefix), len(token_ids), params, seed,
-                       cache_salt=cache_salt, shared_blocks=shared_blocks, streamed=streamed)
+                       cache_salt=cache_salt, shared_blocks=shared_blocks, streamed=streamed, tenant=tenant)
         if params.constraint is not None:  # its grammar state continues after what was generated elsewhere
             seq.matcher = self.grammars.matcher(params.constraint, output_prefix)
         if output_prefix:

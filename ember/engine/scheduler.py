@@ -28,6 +28,15 @@ one that arrived after it did) is promoted; promoted sequences go first, in arri
 order (FCFS), ahead of every unpromoted one. With the budget sized to the TPOT SLO, that
 bounds how long a long prompt can be overtaken to about starvation_steps x SLO.
 
+Tenants: ahead of the remaining-prefill order, a fair queue across tenants (the router's, on each
+request: `Sequence.tenant`): a sequence whose tenant has fewer sequences running, per unit of its
+weight, goes first. One tenant's burst queued here therefore never holds back another tenant's
+request: it goes in the next step. When the batch is full (`max_num_seqs`), a waiting sequence
+whose tenant holds fewer seats than another, per weight, even after taking one, preempts that
+tenant's newest sequence (as below: its blocks stay cached; it comes back when its tenant's turn
+does), so a burst that filled the batch while it was alone gives seats back as others arrive.
+With one tenant (no API keys) none of this changes anything.
+
 Preemption: only decoding sequences grow (admission allocates blocks for the whole prompt,
 so a prefill never stalls midway). One that cannot grow preempts the most recently admitted
 sequence, which gives its blocks back (they stay cached) and later recomputes, mostly from
@@ -106,6 +115,7 @@ class Scheduler:
         self._state: dict[int, _QueueState] = {}  # by id(seq): Sequence compares by value, not identity
         self._arrivals = itertools.count()
         self._served = 0
+        self._running_by_tenant: Counter[str] = Counter()  # at the start of this step (the fair queue)
         # the TTFT/TPOT step policy (ember.engine.step_policy); None: every step serves the decodes
         # first and fills the budget with prefill, one prompt after another (no clock read)
         self.slo, self.clock = slo, clock
@@ -125,6 +135,7 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
         bm = self.block_manager
+        self._running_by_tenant = Counter(s.tenant.name for s in self.running)
         # 1. decodes (one token left to compute) first, in admission order; should the budget
         # not cover them all, the ones left out go first next step (longest since last served)
         decoders = [s for s in self.running if _decoding(s)]
@@ -146,8 +157,13 @@ class Scheduler:
             if budget == 0 or (plan is not None and prefill_tokens >= PACK_TOKENS):
                 break  # (under the policy a step finishes one prompt, small ones packed: TTFT first)
             if seq.status is SeqStatus.WAITING:
-                if not admitting or len(self.running) >= self.max_num_seqs:
+                if not admitting:
                     continue
+                if len(self.running) >= self.max_num_seqs:
+                    victim = self._fair_victim(seq)
+                    if victim is None:
+                        continue
+                    budget += self._preempt(victim, batch)
                 hits = bm.match_prefix(seq)
                 if not bm.can_allocate(seq, hits):
                     # Head of line: nothing behind it may take blocks first, or a long prompt
@@ -160,6 +176,7 @@ class Scheduler:
                     seq.admitted_once = True
                 seq.status = SeqStatus.RUNNING
                 self.running.append(seq)
+                self._running_by_tenant[seq.tenant.name] += 1
                 admitted.add(id(seq))
             left = seq.num_tokens - seq.num_computed_tokens
             num_new = min(streamed_chunk(left, bm.block_size) if seq.streamed else left, budget)
@@ -240,7 +257,7 @@ class Scheduler:
     def _remaining(self, seq: Sequence) -> int:
         """Prefill tokens `seq` still needs (a waiting one's after its prefix-cache hits)."""
         key = self._queue_key(seq)
-        return key[1] if key[0] == 1 else seq.num_tokens - seq.num_computed_tokens
+        return key[2] if key[0] == 1 else seq.num_tokens - seq.num_computed_tokens
 
     def step_done(self, batch: ScheduledBatch, seconds: float) -> None:
         """The engine ran `batch` in `seconds`: learn its cost, stamp its sequences' token time."""
@@ -269,7 +286,8 @@ class Scheduler:
             remaining = st.estimate
         else:
             remaining = seq.num_tokens - seq.num_computed_tokens
-        return (1, remaining, st.arrival)
+        share = self._running_by_tenant[seq.tenant.name] / seq.tenant.weight  # its tenant's use (fair queue)
+        return (1, share, remaining, st.arrival)
 
     def _put(self, batch: ScheduledBatch, seq: Sequence, num_new: int) -> None:
         self._served += 1
@@ -277,14 +295,31 @@ class Scheduler:
         batch.seqs.append(seq)
         batch.num_new_tokens.append(num_new)
 
+    def _fair_victim(self, seq: Sequence) -> Sequence | None:
+        """With the batch full: the newest running sequence of the tenant holding the most seats per
+        weight, when that is more than `seq`'s tenant would hold with one more; else None."""
+        by = self._running_by_tenant
+
+        def held(s: Sequence) -> float:
+            return by[s.tenant.name] / s.tenant.weight
+        mine = (by[seq.tenant.name] + 1) / seq.tenant.weight
+        victim = None
+        for s in reversed(self.running):  # newest first: the least work to redo
+            if s.tenant.name != seq.tenant.name and held(s) > mine and (victim is None or held(s) > held(victim)):
+                victim = s
+        return victim
+
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> int:
         """Preempt seq; return the tokens it had been given this step (back to the budget)."""
         self.running.remove(seq)
+        self._running_by_tenant[seq.tenant.name] -= 1
         refund = 0
         for i, s in enumerate(batch.seqs):
             if s is seq:  # already scheduled this step: unschedule it
                 refund = batch.num_new_tokens[i]
                 del batch.seqs[i], batch.num_new_tokens[i]
+                if i < batch.num_decodes:
+                    batch.num_decodes -= 1
                 break
         self.block_manager.free(seq)
         seq.draft_token_ids = []

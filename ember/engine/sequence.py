@@ -13,6 +13,17 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
+
+@dataclass(frozen=True)
+class Tenant:
+    """Whose request a sequence is, for the scheduler's fair queue: waiting sequences of the tenant
+    with the fewest running per unit of `weight` go first (ember.engine.scheduler)."""
+    name: str = ""
+    weight: float = 1.0
+
+
+NO_TENANT = Tenant()
+
 @dataclass
 class Sequence:
     request_id: str
@@ -33,6 +44,7 @@ class Sequence:
     # its tenant's hash chain (ember.kv.block_hash.parent_of): b"" is the plain, shared chain
     cache_salt: bytes = b""
     shared_blocks: int = 0
+    tenant: Tenant = field(default_factory=lambda: NO_TENANT)  # whose: the scheduler's fair queue
     matcher: object | None = None  # its constraint's grammar state (ember.engine.constraints), if any
     drafter: object | None = None  # its prompt-lookup index (ember.engine.speculation), when it speculates
     draft_token_ids: list[int] = field(default_factory=list)  # this step's drafts, after token_ids

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ember.engine.sampling_params import SamplingParams
+from ember.engine.sequence import NO_TENANT, Tenant
 from ember.rpc import validate
 from ember.v1 import common_pb2
 
@@ -34,3 +35,8 @@ def logprobs_to_pb(logprobs) -> list[common_pb2.TokenLogprob]:
     """ember.engine.outputs.TokenLogprob entries (None: none) as protobufs."""
     return [common_pb2.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=lp.top_ids,
                                     top_logprobs=lp.top_logprobs) for lp in logprobs or ()]
+
+
+def tenant_of(request) -> Tenant:
+    """A Prefill/DecodeRequest's tenant and weight (0: 1) for the engine's fair queue."""
+    return Tenant(request.tenant, request.tenant_weight or 1.0) if request.tenant else NO_TENANT

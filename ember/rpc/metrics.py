@@ -28,6 +28,13 @@ MIGRATIONS = Counter("ember:decode_migrations", "Decode streams moved to another
 ABORTED = Counter("ember:requests_aborted", "Decode streams ended before they finished: the caller cancelled or "
                   "its deadline passed (the engine frees the sequence)", ["reason"])
 REJECTED = Counter("ember:requests_rejected", "Requests refused at admission (RESOURCE_EXHAUSTED with pushback)")
+# router, per tenant (the keys file's tenants; "-" when no API key is configured)
+TENANT_REQUESTS = Counter("ember:tenant_requests", "Requests admitted, by tenant", ["tenant"])
+TENANT_THROTTLED = Counter("ember:tenant_throttled", "Requests refused at admission, by tenant and reason: capacity "
+                           "(its fair share of router.max_inflight), max_inflight, requests_per_s, tokens_per_min "
+                           "(its quotas)", ["tenant", "reason"])
+TENANT_TTFT = Histogram("ember:tenant_time_to_first_token_seconds", "Time to first token, by tenant", ["tenant"],
+                        buckets=_LATENCY)
 # every service
 RPC_ERRORS = Counter("ember:request_errors", "Calls that ended in an error, by gRPC status", ["method", "code"])
 # engine services (prefill, decode)

@@ -100,6 +100,9 @@ def tenant_chain(request, prompt_len: int, block_size: int) -> None:
     if request.shared_blocks > prompt_len // max(1, block_size):
         raise invalid(f"shared_blocks is {request.shared_blocks}; the prompt has only "
                       f"{prompt_len // max(1, block_size)} full blocks")
+    name(request.tenant, "tenant")
+    if not (math.isfinite(request.tenant_weight) and request.tenant_weight >= 0):
+        raise invalid(f"tenant_weight must be a finite number >= 0 (0: 1), got {request.tenant_weight}")
 
 
 def seconds(value: float, field: str) -> float:

@@ -26,6 +26,7 @@ from multiprocessing.connection import Connection
 
 from ember.engine.outputs import RequestOutput
 from ember.engine.sampling_params import SamplingParams
+from ember.engine.sequence import NO_TENANT, Tenant
 from ember.errors import InvalidRequestError
 from ember.serving.messages import MEMORY_REFRESH_S, AddRequest, CoreInfo, ErrorInfo, KVPlan, Snapshot
 
@@ -72,9 +73,10 @@ class EngineClient:
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
                        plan: KVPlan | None = None, output_prefix: list[int] = (),
                        timeout_s: float | None = None, cache_salt: bytes = b"",
-                       shared_blocks: int = 0) -> AsyncIterator[RequestOutput]:
+                       shared_blocks: int = 0, tenant: Tenant = NO_TENANT) -> AsyncIterator[RequestOutput]:
         """Stream a request's outputs. Leaving the iterator early aborts the request. `cache_salt`,
-        `shared_blocks`: its tenant's hash chain (ember.kv.block_hash)."""
+        `shared_blocks`: its tenant's hash chain (ember.kv.block_hash); `tenant`: whose it is (the
+        scheduler's fair queue)."""
         self._require_alive()
         self._loop = asyncio.get_running_loop()
         if request_id in self._streams:
@@ -85,7 +87,7 @@ class EngineClient:
         finished = False
         try:
             self._send(("add", AddRequest(request_id, list(prompt), params, list(output_prefix), plan, timeout_s,
-                                          tracing.current_carrier(), cache_salt, shared_blocks)))
+                                          tracing.current_carrier(), cache_salt, shared_blocks, tenant)))
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):

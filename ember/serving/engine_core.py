@@ -292,7 +292,7 @@ class EngineCore:
             self.engine.add_request(request.prompt_token_ids, request.params, request.request_id,
                                     output_prefix=request.output_prefix, check_queue=False,
                                     cache_salt=request.cache_salt, shared_blocks=request.shared_blocks,
-                                    streamed=self._streams(request))
+                                    streamed=self._streams(request), tenant=request.tenant)
         except (InvalidRequestError, CapacityError) as e:
             self._release_pins(pins)
             return [_error(request.request_id, e)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ember.engine.sampling_params import SamplingParams
+from ember.engine.sequence import NO_TENANT, Tenant
 
 MEMORY_REFRESH_S = 5.0  # how old the memory report in an engine's snapshot gets (ember.engine.footprint)
 
@@ -58,6 +59,7 @@ class AddRequest:
     trace_context: dict[str, str] = field(default_factory=dict)  # W3C headers: its KV calls join the trace
     cache_salt: bytes = b""  # its tenant's hash chain (ember.kv.block_hash): b"" is the plain chain
     shared_blocks: int = 0   # leading prompt blocks inside a prefix every tenant shares (unsalted)
+    tenant: Tenant = NO_TENANT  # whose: the scheduler's fair queue
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import grpc
 
 from ember.kv.block_hash import chain_hashes
 from ember.rpc import metrics, tracing, validate
-from ember.rpc.convert import logprobs_to_pb
+from ember.rpc.convert import logprobs_to_pb, tenant_of
 from ember.rpc.errors import RpcError, require_ready
 from ember.rpc.server import remaining
 from ember.serving.messages import KVPlan
@@ -65,7 +65,8 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
         try:
             async for out in self.engine.generate(prompt, params, request.request_id, plan=plan,
                                                   output_prefix=prefix, timeout_s=remaining(context),
-                                                  cache_salt=salt, shared_blocks=shared):
+                                                  cache_salt=salt, shared_blocks=shared,
+                                                  tenant=tenant_of(request)):
                 msg = decode_pb2.DecodeResponse(token_ids=out.new_token_ids, text=out.new_text,
                                                 finished=out.finished, finish_reason=out.finish_reason or "",
                                                 completion_tokens=out.completion_tokens,

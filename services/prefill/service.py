@@ -17,7 +17,7 @@ import grpc
 from ember.engine.detokenizer import streamed_text
 from ember.kv.block_hash import chain_hashes
 from ember.rpc import metrics, tracing, validate
-from ember.rpc.convert import logprobs_to_pb
+from ember.rpc.convert import logprobs_to_pb, tenant_of
 from ember.rpc.errors import RpcError, require_ready
 from ember.rpc.server import remaining
 from ember.serving.messages import KVPlan
@@ -60,7 +60,7 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
         try:
             async for out in self.engine.generate(prompt, replace(params, max_tokens=1), request.request_id,
                                                   plan=plan, timeout_s=remaining(context), cache_salt=salt,
-                                                  shared_blocks=shared):
+                                                  shared_blocks=shared, tenant=tenant_of(request)):
                 final = out
         except (asyncio.CancelledError, GeneratorExit):
             left = context.time_remaining()  # the engine drops the request (queued or running)

@@ -6,6 +6,14 @@ A key table maps API keys to tenant names: `router.api_keys_file` (YAML, `KEY: T
 HTTP `Authorization: Bearer KEY` (OpenAI's convention), gRPC `authorization: Bearer KEY`
 metadata. With none configured, nobody is asked (tenant ANONYMOUS: the plain, shared cache).
 
+The file may instead hold two sections, the keys and each tenant's fair-share weight and quotas
+(services/router/admission.py; every field optional, a tenant not listed has weight 1 and no
+quota):
+
+    keys: {KEY: TENANT, ...}
+    tenants:
+      TENANT: {weight: 2, max_inflight: 16, requests_per_s: 5, tokens_per_min: 60000}
+
 A presented key is checked against every configured key in constant time: SHA-256 digests
 compared with `hmac.compare_digest`, all of them, with no early exit, so the time taken tells
 nothing about which key (or how much of one) matched. Only the digests are kept.
@@ -18,6 +26,8 @@ import re
 from pathlib import Path
 
 import yaml
+
+from ember.services.router.admission import TenantPolicy
 
 ANONYMOUS = ""               # the tenant of every request when no key is configured
 ENV_TENANT = "default"       # the tenant of EMBER_API_KEY
@@ -38,7 +48,8 @@ def _digest(key: str) -> bytes:
 class KeyTable:
     """API key digests -> tenant names."""
 
-    def __init__(self, keys: dict[str, str] | None = None):
+    def __init__(self, keys: dict[str, str] | None = None, policies: dict[str, TenantPolicy] | None = None):
+        self.policies = dict(policies or {})  # tenant -> weight and quotas (admission.py)
         self._entries: list[tuple[bytes, str]] = []
         for key, tenant in (keys or {}).items():
             if not isinstance(key, str) or not key or len(key.encode()) > MAX_KEY_BYTES or key != key.strip():
@@ -91,6 +102,7 @@ def load(keys_file: str | Path | None, env_key: str | None = None) -> KeyTable:
     """The key table from `keys_file` (YAML mapping each key to its tenant) and `env_key`
     (EMBER_API_KEY: tenant `default`). ValueError naming the problem for a bad file."""
     keys: dict[str, str] = {}
+    policies: dict[str, TenantPolicy] = {}
     if keys_file is not None:
         path = Path(keys_file)
         try:
@@ -104,6 +116,12 @@ def load(keys_file: str | Path | None, env_key: str | None = None) -> KeyTable:
         if not isinstance(data, dict):
             raise ValueError(f"router.api_keys_file: {path} must map each API key to a tenant name "
                              "(`KEY: TENANT`, one a line)")
+        if isinstance(data.get("keys"), dict) or isinstance(data.get("tenants"), dict):  # the two-section form
+            if set(data) - {"keys", "tenants"}:
+                raise ValueError(f"router.api_keys_file: {path}: with sections, only `keys:` and `tenants:` "
+                                 f"(found {sorted(set(data) - {'keys', 'tenants'})})")
+            policies = _policies(path, data.get("tenants") or {})
+            data = data.get("keys") or {}
         for key, tenant in data.items():
             if not isinstance(key, str) or not isinstance(tenant, str):
                 raise ValueError(f"router.api_keys_file: {path}: keys and tenant names must be strings (quote "
@@ -116,6 +134,26 @@ def load(keys_file: str | Path | None, env_key: str | None = None) -> KeyTable:
                              f"names one tenant (EMBER_API_KEY's is {ENV_TENANT!r})")
         keys[env_key] = ENV_TENANT
     try:
-        return KeyTable(keys)
+        table = KeyTable(keys, policies)
     except ValueError as e:
         raise ValueError(f"router.api_keys_file: {e}") from e
+    unknown = set(policies) - table.tenants
+    if unknown:
+        raise ValueError(f"router.api_keys_file: tenants {sorted(unknown)} have quotas but no key")
+    return table
+
+
+def _policies(path: Path, tenants: dict) -> dict[str, TenantPolicy]:
+    fields = set(TenantPolicy.__dataclass_fields__)
+    out = {}
+    for name, spec in tenants.items():
+        where = f"router.api_keys_file: {path}: tenants.{name}"
+        if not isinstance(spec, dict):
+            raise ValueError(f"{where}: a mapping of {', '.join(sorted(fields))}")
+        if set(spec) - fields:
+            raise ValueError(f"{where}: unknown {sorted(set(spec) - fields)} (known: {', '.join(sorted(fields))})")
+        try:
+            out[str(name)] = TenantPolicy(**spec)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from None
+    return out

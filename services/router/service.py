@@ -6,8 +6,9 @@ replaced by another live one at its site, else the decode worker prefills itself
 fallback); a decode stream that breaks moves to another live decode worker with the tokens
 already sent as its output prefix and the same seed (fixed here when the client gave none), so
 it continues token for token; the client sees neither the failure nor a duplicate. Admission
-is bounded: past `router.max_inflight` a request is refused at once with RESOURCE_EXHAUSTED and
-`grpc-retry-pushback-ms`.
+is bounded and fair across tenants (services/router/admission.py): past its tenant's share of
+`router.max_inflight`, or over one of its tenant's quotas, a request is refused at once with
+RESOURCE_EXHAUSTED and `grpc-retry-pushback-ms` (HTTP 429 and Retry-After).
 
 With API keys configured (services/router/auth.py) every call names a key (`authorization:
 Bearer KEY`), else UNAUTHENTICATED; the key's tenant picks the request's hash chain
@@ -37,6 +38,7 @@ from ember.rpc.convert import sampling_from_pb, sampling_to_pb
 from ember.rpc.errors import RpcError, refuse
 from ember.rpc.server import remaining
 from ember.services.router import tenants, tools
+from ember.services.router.admission import Admission, Throttled
 from ember.services.router.auth import ANONYMOUS, Authenticated, KeyTable
 from ember.services.router.tenants import SharedPrefixes
 from ember.services.router.workers import Worker, WorkerPool
@@ -129,6 +131,18 @@ def worker_failed(e: grpc.aio.AioRpcError) -> bool:
     return e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
 
 
+@dataclasses.dataclass
+class _Bill:
+    """A request's tokens against its tenant's tokens/min quota: charged prompt + max_tokens at
+    admission, what it did not generate given back when it ends."""
+    charged: int = 0
+    prompt: int = 0
+    generated: int = 0
+
+    def unused(self) -> int:
+        return max(0, self.charged - self.prompt - self.generated) if self.charged else 0
+
+
 class RouterService(router_pb2_grpc.RouterServicer):
     def __init__(self, tokenizer: Tokenizer, model_id: str, max_model_len: int, vocab_size: int,
                  placer: Placer, workers: WorkerPool, block_size: int, root_hash: bytes, directory: BlockDirectory,
@@ -137,6 +151,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                  shared_prefixes: SharedPrefixes | None = None):
         self.tokenizer = tokenizer
         self.keys = keys or KeyTable()  # none: nobody is asked for a key
+        self.admission = Admission(max_inflight, self.keys.policies, retry_after_s=retry_after_s)
         self.shared_prefixes = shared_prefixes
         self.model_id = model_id
         self.max_model_len = max_model_len
@@ -144,7 +159,6 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.placer, self.workers = placer, workers
         self.max_inflight, self.max_migrations, self.retry_after_s = max_inflight, max_migrations, retry_after_s
         self.stall_timeout_s = stall_timeout_s
-        self.inflight = 0  # admitted requests not finished yet, counted at admission
         self.load = Load()  # this router's view: prefill work in flight, decodes running, per site
         self.block_size, self.root_hash = block_size, root_hash
         self.directory, self.sites = directory, [s.name for s in placer.config.sites]
@@ -274,22 +288,36 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise invalid(f"chat: {e}") from e
         return text, grammar
 
+    @property
+    def inflight(self) -> int:
+        """Admitted requests not finished yet (counted at admission: a burst cannot slip past)."""
+        return self.admission.inflight
+
     async def Generate(self, request, context):
         tenant = await self._authenticate(context)  # before anything else, admission included
-        if self.inflight >= self.max_inflight:  # counted at admission: a burst cannot slip past
-            metrics.REJECTED.inc()
-            refuse(context, RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, f"the router is at its admission limit "
-                                     f"({self.max_inflight} requests in flight); retry after "
-                                     f"{self.retry_after_s:g} s", retry_after_s=self.retry_after_s))
-            return
-        self.inflight += 1
         try:
-            async for msg in self._generate(request, context, tenant):
+            self.admission.admit(tenant)
+        except Throttled as e:
+            self._throttled(context, tenant, e)
+            return
+        metrics.TENANT_REQUESTS.labels(tenant or "-").inc()
+        bill = _Bill()
+        try:
+            async for msg in self._generate(request, context, tenant, bill):
+                bill.generated += len(msg.token_ids)
                 yield msg
+        except Throttled as e:  # its tokens/min quota, charged once its prompt is known (before any output)
+            self._throttled(context, tenant, e)
         finally:
-            self.inflight -= 1
+            self.admission.refund(tenant, bill.unused())
+            self.admission.release(tenant)
 
-    async def _generate(self, request, context, tenant: str):
+    def _throttled(self, context, tenant: str, e: Throttled) -> None:
+        metrics.REJECTED.inc()
+        metrics.TENANT_THROTTLED.labels(tenant or "-", e.reason).inc()
+        refuse(context, RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), retry_after_s=e.retry_after_s))
+
+    async def _generate(self, request, context, tenant: str, bill: _Bill):
         received = time.perf_counter()
         for field in ("request_id", "model", "user_region", "session_id", "cache_salt", "user"):
             validate.name(getattr(request, field), field)
@@ -310,6 +338,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
         if len(prompt) + params.max_tokens > self.max_model_len:
             raise invalid(f"input ({len(prompt)} tokens) + sampling.max_tokens ({params.max_tokens}) exceeds the "
                           f"context length {self.max_model_len}")
+        self.admission.charge(tenant, len(prompt) + params.max_tokens)  # its tokens/min quota (Throttled)
+        bill.charged, bill.prompt = len(prompt) + params.max_tokens, len(prompt)
         if params.constraint is not None:  # a bad grammar is refused before any work is placed (a big
             await asyncio.to_thread(constraints.check, params.constraint)  # one takes a while: off the loop)
         request_id = request.request_id or uuid.uuid4().hex
@@ -348,10 +378,13 @@ class RouterService(router_pb2_grpc.RouterServicer):
             log.info("%s: %s%s", request_id, decision.summary(), f" (user {request.user!r})" if request.user else "")
             usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=1)
             timings = common_pb2.Timings()
+            weight = self.admission.weight(tenant)
             decode_req = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=pb_params,
-                                                  cache_salt=salt, shared_blocks=shared)
+                                                  cache_salt=salt, shared_blocks=shared, tenant=tenant,
+                                                  tenant_weight=weight)
             prefill_req = prefill_pb2.PrefillRequest(request_id=request_id, token_ids=prompt, sampling=pb_params,
-                                                     block_hashes=hashes, cache_salt=salt, shared_blocks=shared)
+                                                     block_hashes=hashes, cache_salt=salt, shared_blocks=shared,
+                                                     tenant=tenant, tenant_weight=weight)
 
             prefill_req.stream_to = self.stream_targets.get((placement.prefill_site, placement.decode_site), "")
             if decision.colocated:
@@ -364,6 +397,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if pre is not None:
                 first_at = time.perf_counter()
                 metrics.TTFT.observe(first_at - received)
+                metrics.TENANT_TTFT.labels(tenant or "-").observe(first_at - received)
                 timings.ttft_s = timings.prefill_s = first_at - received
                 usage.cached_tokens = pre.cached_tokens
                 emitted = [pre.first_token]
@@ -410,6 +444,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                                 first_at = now
                                 timings.ttft_s = now - received
                                 metrics.TTFT.observe(timings.ttft_s)
+                                metrics.TENANT_TTFT.labels(tenant or "-").observe(timings.ttft_s)
                                 usage.cached_tokens = max(0, len(prompt) - d.recomputed_tokens)
                             else:
                                 metrics.INTER_TOKEN.observe(now - last)
