@@ -208,6 +208,7 @@ def cmd_certs(args) -> int:
 BENCHES = {"engine": "engine_bench", "disagg": "disagg_bench", "kv": "kv_bench", "agentic": "agentic_bench",
            "quality": "quality", "budget": "budget_bench", "served": "served_bench",
            "simulate": "sim_bench", "placement": "placement_bench", "chaos": "chaos", "overload": "overload",
+           "tenants": "tenants_bench",
            "security": "security_bench", "constrained": "constrained_bench",
            "speculative": "speculative_bench", "decode": "decode_bench", "parallel": "parallel_bench",
            "gpu": "gpu_bench", "link": "link_bench", "streaming": "stream_bench", "moe": "moe_bench",
@@ -289,8 +290,10 @@ def build_parser() -> argparse.ArgumentParser:
                                        "blackhole (default: all)")
     b.add_argument("--stall-timeout-s", type=float, default=2.0,
                    help="chaos: router.stall_timeout_s of the blackhole scenario's cluster (shipped default: 30)")
-    b.add_argument("--max-inflight", type=int, default=8, help="overload: router.max_inflight (default: %(default)s)")
-    b.add_argument("--clients", type=int, default=80, help="overload: concurrent streams (default: %(default)s)")
+    b.add_argument("--max-inflight", type=int, default=None, help="overload: router.max_inflight (default: 8); "
+                                                                  "tenants: (default: the config's)")
+    b.add_argument("--clients", type=int, default=None, help="overload: concurrent streams (default: 80); tenants: "
+                                                             "tenant A's burst (default: 64)")
     b.add_argument("--write-profile", help="placement: write the calibration cluster's config, with this "
                                            "machine's measured hardware profile, to this YAML")
     b.add_argument("--like", help="gpu: a folder with the config and tokenizer a random-weights --model is made "

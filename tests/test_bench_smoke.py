@@ -16,7 +16,7 @@ from ember.cli import BENCHES
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 # run elsewhere, with more asserted about what they write
-COVERED = {"agentic": "tests/test_agentic_bench.py"}
+COVERED = {"agentic": "tests/test_agentic_bench.py", "tenants": "tests/test_tenant_fairness.py"}
 
 
 @pytest.mark.timeout(600)

@@ -159,6 +159,7 @@ def main(args) -> int:
     model = str(Path(args.model).resolve())
     source = Path(args.cluster_config).resolve() if args.cluster_config else default_config()
     tok = Tokenizer.from_folder(model_folder(model))
+    args.max_inflight, args.clients = args.max_inflight or 8, args.clients or 80
     rounds, max_tokens = (1, 16) if args.quick else (3, 24)
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
