@@ -1,7 +1,9 @@
 """A small synchronous client for the router's public gRPC API.
 
 `api_key`: the router's API key (sent as `authorization: Bearer KEY` metadata on every call),
-needed when the router has keys configured.
+needed when the router has keys configured. `ca`: a CA file (PEM) to trust for a router serving TLS
+(router.tls; `ember up` prints the file, RUN_DIR/certs/ca.crt for `auto`), else plaintext;
+EMBER_ROUTER_CA gives the same default to `ember generate`.
 
 Constrained output: `json_schema` (a dict or its JSON text), `json_object=True`, `regex` or `lark`
 (llguidance's Lark dialect). Tools: `messages` as OpenAI writes them (assistant `tool_calls`, `tool`
@@ -13,6 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
@@ -28,9 +31,18 @@ class Completion:
     logprobs: list = field(default_factory=list)  # common_pb2.TokenLogprob per token, when asked for
 
 
+def router_channel(address: str, ca: str | Path | bytes | None = None, options=None) -> grpc.Channel:
+    """A channel to a router's public gRPC port: TLS trusting the CA `ca` (a PEM file or its bytes;
+    the server's certificate must name the address's host), plaintext when `ca` is None."""
+    if ca is None:
+        return grpc.insecure_channel(address, options=options)
+    pem = ca if isinstance(ca, bytes) else Path(ca).read_bytes()
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(root_certificates=pem), options=options)
+
+
 class RouterClient:
-    def __init__(self, address: str, api_key: str | None = None):
-        self.channel = grpc.insecure_channel(address)
+    def __init__(self, address: str, api_key: str | None = None, ca: str | Path | bytes | None = None):
+        self.channel = router_channel(address, ca)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 

@@ -99,7 +99,7 @@ class Cluster:
         tmp.replace(self.run_dir / "pids.json")
         if info["address"] is not None:  # (the links relay serves no gRPC)
             wait_serving(info["address"], start + timeout_s, proc, log,
-                         None if name == "router" else self.credentials)
+                         None if name == "router" else self.credentials, info.get("ca"))
         out = {"serving_s": time.monotonic() - start}
         if info["role"] in ("prefill", "decode"):
             self.wait_router_sees(name, live=True)
@@ -129,7 +129,7 @@ class Cluster:
         info = self.services[name]
         if info["address"] is None:
             return self.alive(name)
-        return health(info["address"], None if name == "router" else self.credentials) == "SERVING"
+        return health(info["address"], None if name == "router" else self.credentials, info.get("ca")) == "SERVING"
 
     def reset(self, timeout_s: float = 120) -> list[str]:
         """Back to the state the cluster started in, proven: every service that is down or not serving
@@ -153,9 +153,10 @@ class Cluster:
                       **settings) -> Iterator[tuple[dict, subprocess.Popen]]:
         """Another router in front of this cluster's workers, for the `with` block: the cluster's config
         with a router section of its own (fresh ports for its gRPC, internal and, where the cluster
-        serves one, HTTP listeners; `settings` on top), holding the cluster's router certificate. It
-        logs to FOLDER/router-2.log; killed after the block unless it exited. Yields its router
-        section and its process. (The kvstores publish to the first router: its block directory
+        serves one, HTTP listeners; `settings` on top, paths relative to FOLDER), holding the cluster's
+        router certificate. It logs to FOLDER/router-2.log; killed after the block unless it exited.
+        Yields its router section and its process. (With `tls={cert, key[, ca]}` its health is checked
+        over TLS trusting `ca`, else `cert`.) (The kvstores publish to the first router: its block directory
         stays empty.)"""
         from ember.cluster.ports import free_port
         argv = self.services["router"]["argv"]
@@ -169,7 +170,9 @@ class Cluster:
         proc = spawn(folder, "router-2", [*argv[:3], "--config", str(folder / "router-2.yaml")],
                      self.services["router"].get("env", {}))
         try:
-            wait_serving(data["router"]["listen"], time.monotonic() + 120, proc, folder / "router-2.log")
+            tls = data["router"].get("tls")
+            ca = str(folder / (tls.get("ca") or tls["cert"])) if isinstance(tls, dict) else None
+            wait_serving(data["router"]["listen"], time.monotonic() + 120, proc, folder / "router-2.log", public_ca=ca)
             yield data["router"], proc
         finally:
             if proc.poll() is None:

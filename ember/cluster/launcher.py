@@ -9,6 +9,9 @@ grpc.health.v1.
 With `security.tls: auto` (the default) `up` first makes a fresh CA and one certificate per
 service under RUN_DIR/certs (ember.cluster.certs) and starts each service with EMBER_TLS_DIR
 naming its folder; RUN_DIR/certs/operator is what `ember status`, benchmarks and tests dial with.
+With `router.tls: auto` it also makes the router's public server certificate (RUN_DIR/certs/router-public,
+EMBER_ROUTER_TLS_DIR) from that CA; clients of the public ports trust RUN_DIR/certs/ca.crt (`router_ca`,
+recorded as the router's `ca` in services.json).
 """
 from __future__ import annotations
 
@@ -129,6 +132,8 @@ def service_extra_env(config: ClusterConfig, run_dir: Path, name: str, commands:
     """What service `name` runs with beyond service_env: its certificate folder; an engine service,
     the engine template to fork its core from."""
     env = tls_env(config, run_dir, name)
+    if name == "router" and config.router.tls == "auto":  # its public ports' certificate (ember.cluster.certs)
+        env["EMBER_ROUTER_TLS_DIR"] = str(run_dir / "certs" / "router-public")
     if TEMPLATE in commands and name.startswith(("prefill", "decode")):
         env["EMBER_ENGINE_TEMPLATE"] = template_socket(run_dir)
     return env
@@ -152,6 +157,14 @@ def prepare_model(config: ClusterConfig) -> Path:
 def tls_env(config: ClusterConfig, run_dir: Path, name: str) -> dict[str, str]:
     """The environment service `name` needs for its certificate: EMBER_TLS_DIR in auto mode."""
     return {"EMBER_TLS_DIR": str(run_dir / "certs" / name)} if config.security.tls == "auto" else {}
+
+
+def router_ca(config: ClusterConfig, run_dir: Path) -> str | None:
+    """The CA file clients of the router's public ports trust (router.tls), None when they are plaintext."""
+    from ember.config.services import router_settings
+    if config.router.tls is None:
+        return None
+    return str(run_dir / "certs" / "ca.crt") if config.router.tls == "auto" else router_settings(config).tls_ca
 
 
 def credentials(run_dir: str | Path | None = None, name: str = "operator") -> security.Credentials | None:
@@ -193,12 +206,16 @@ def child(pid: int) -> subprocess.Popen | None:
 
 
 def wait_serving(address: str, deadline: float, proc: subprocess.Popen, log_path: Path,
-                 creds: security.Credentials | None = None) -> None:
+                 creds: security.Credentials | None = None, public_ca: str | None = None) -> None:
+    """Until the service at `address` answers SERVING: over mTLS with `creds`, over TLS trusting the
+    CA file `public_ca` (the router's public port with router.tls), else plaintext."""
+    from ember.client import router_channel
     # reconnect every 50 ms: gRPC's default backoff (1 s, then 1.6x) kept a service that had just
     # started listening unseen for up to a second or two
     fast = [("grpc.initial_reconnect_backoff_ms", 50), ("grpc.min_reconnect_backoff_ms", 50),
             ("grpc.max_reconnect_backoff_ms", 50)]
-    with security.dial(address, creds, options=fast) as ch:
+    with (router_channel(address, public_ca, fast) if public_ca else security.dial(address, creds, options=fast)
+          ) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while True:
             if proc.poll() is not None:
@@ -235,7 +252,11 @@ def up(config_path: str | Path | None = None, run_dir: str | Path | None = None,
         if config.security.tls == "auto":  # a throwaway CA per run: nothing of an earlier run is trusted
             from ember.cluster.certs import write_cluster_certs
             shutil.rmtree(run_dir / "certs", ignore_errors=True)
-            write_cluster_certs(config, run_dir / "certs")
+            write_cluster_certs(config, run_dir / "certs")  # (the router's public one too, with router.tls: auto)
+        elif config.router.tls == "auto":  # internal hops not `auto`: a CA of this run for the public port only
+            from ember.cluster.certs import write_router_public
+            shutil.rmtree(run_dir / "certs", ignore_errors=True)
+            write_router_public(config, run_dir / "certs")
         for name, (argv, _) in commands.items():
             if name in procs:
                 continue
@@ -243,9 +264,10 @@ def up(config_path: str | Path | None = None, run_dir: str | Path | None = None,
                                                                                         commands)})
             (run_dir / "pids.json").write_text(json.dumps({n: p.pid for n, p in procs.items()}))
         specs = {svc.name: svc for svc in services(config)}
+        public_ca = router_ca(config, run_dir)
         (run_dir / "services.json").write_text(json.dumps(  # for `ember status`, restarts and tests
             {n: {"address": a, "role": specs[n].role if n in specs else n,
-                 "site": specs[n].site if n in specs else None,
+                 "site": specs[n].site if n in specs else None, **({"ca": public_ca} if n == "router" else {}),
                  "metrics": argv[argv.index("--metrics-listen") + 1] if "--metrics-listen" in argv else None,
                  "argv": argv, "env": {**(env or {}), **service_extra_env(config, run_dir, n, commands)}}
              for n, (argv, a) in commands.items()}, indent=1))
@@ -253,8 +275,8 @@ def up(config_path: str | Path | None = None, run_dir: str | Path | None = None,
         creds = credentials(run_dir)
         for name, (_, address) in commands.items():
             if address is not None:
-                wait_serving(address, deadline, procs[name], run_dir / f"{name}.log",
-                             None if name == "router" else creds)  # the router's API port is plaintext
+                wait_serving(address, deadline, procs[name], run_dir / f"{name}.log",  # the router's: its public port
+                             None if name == "router" else creds, public_ca if name == "router" else None)
     except BaseException:
         down(run_dir)
         raise

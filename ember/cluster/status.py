@@ -13,9 +13,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from ember.rpc import security
 
 
-def health(address: str, creds: security.Credentials | None = None) -> str:
+def health(address: str, creds: security.Credentials | None = None, public_ca: str | None = None) -> str:
+    """grpc.health.v1's answer (or the call's status): over mTLS with `creds`, over TLS trusting the
+    CA file `public_ca` (the router's public port with router.tls), else plaintext."""
+    from ember.client import router_channel
     try:
-        with security.dial(address, creds) as ch:
+        with router_channel(address, public_ca) if public_ca else security.dial(address, creds) as ch:
             status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=2).status
         return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
     except grpc.RpcError as e:
@@ -58,7 +61,8 @@ def rows(run_dir: Path) -> list[tuple[str, ...]]:
         if "ember:kvstore_blocks" in m:
             store = f"{m['ember:kvstore_blocks']:.0f} / {m.get('ember:kvstore_bytes', 0) / 2**20:.0f}"
         engine = name.startswith(("prefill", "decode"))  # the others register these gauges but run no engine
-        table.append((name, info["address"], health(info["address"], None if name == "router" else creds),
+        answer = health(info["address"], None if name == "router" else creds, info.get("ca"))  # (ca: router.tls)
+        table.append((name, info["address"], answer,
                       get("ember:num_requests_running") if engine else "-",
                       get("ember:num_requests_waiting") if engine else "-",
                       get("ember:kv_cache_usage_perc", "{:.1%}") if engine else "-", store,

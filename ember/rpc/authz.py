@@ -1,8 +1,9 @@
 """Who may call what: every internal RPC names the roles allowed to make it, and the caller's
 role is the one its mTLS certificate names (ember.rpc.security). Anything else is
 PERMISSION_DENIED; a method missing from the table is denied too (a new RPC must say who
-calls it). The router's public API (ember.v1.Router) and health are open here: API keys guard
-the first (services/router), and health says nothing a caller could use.
+calls it). The router's public API (ember.v1.Router), health and reflection are open here: API
+keys guard the first and the last at the router's public port (services/router/public_auth.py), and
+health says nothing a caller could use.
 
 With no credentials installed (`security: {tls: plaintext}`) nothing is checked.
 """
@@ -22,8 +23,10 @@ ENGINES = frozenset({"prefill", "decode"})
 POLICY: dict[str, frozenset[str] | None] = {
     "/ember.v1.Router/": OPEN,
     "/grpc.health.v1.Health/": OPEN,
-    "/grpc.reflection.v1alpha.ServerReflection/": ANY,
-    "/grpc.reflection.v1.ServerReflection/": ANY,
+    # reflection tells what the protos say: open here (an internal port's TLS handshake already asks
+    # for a cluster certificate); at the router's public port API keys guard it (services/router/public_auth.py)
+    "/grpc.reflection.v1alpha.ServerReflection/": OPEN,
+    "/grpc.reflection.v1.ServerReflection/": OPEN,
     # a kvstore: engines read and write blocks; peers stream blocks from it; anyone reads stats
     "/ember.v1.KVStore/Lookup": ANY,
     "/ember.v1.KVStore/Stats": ANY,

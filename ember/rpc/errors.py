@@ -145,7 +145,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                     await abort(context, exc)
             return wrapped
 
-        def wrap_stream(fn):
+        def wrap_stream(fn, streaming_request: bool = False):
             async def wrapped(request, context):
                 logs.request_id.set(getattr(request, "request_id", ""))
                 # aclosing: a stream closed early closes the handler now (its finally cancels
@@ -153,6 +153,8 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
                 if isinstance(request, _Undecodable):
                     await abort(context, InvalidRequestError(
                         f"the request is not a valid message of its type: {request.error}"))
+                if streaming_request:
+                    request = _decoded_stream(request)
                 async with contextlib.aclosing(fn(request, context)) as steps:
                     try:
                         async for item in steps:
@@ -173,4 +175,7 @@ class ErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler.stream_unary:
             return grpc.stream_unary_rpc_method_handler(
                 wrap_unary(handler.stream_unary, streaming_request=True), deserializer, handler.response_serializer)
+        if handler.stream_stream:  # (reflection: an authorization refusal there is its status, not UNKNOWN)
+            return grpc.stream_stream_rpc_method_handler(
+                wrap_stream(handler.stream_stream, streaming_request=True), deserializer, handler.response_serializer)
         return handler

@@ -17,6 +17,9 @@ _TOKEN = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1
 
 # router: the user's view
 TTFT = Histogram("ember:time_to_first_token_seconds", "Time to first token", buckets=_LATENCY)
+AUTH_FAILURES = Counter("ember:auth_failures", "Public calls refused for their API key (HTTP 401, gRPC "
+                        "UNAUTHENTICATED), by reason (missing_key, malformed_header, invalid_key) and protocol "
+                        "(grpc, http)", ["reason", "protocol"])
 TPOT = Histogram("ember:time_per_output_token_seconds", "Mean time per output token of a request", buckets=_TOKEN)
 INTER_TOKEN = Histogram("ember:inter_token_latency_seconds", "Gap between streamed tokens", buckets=_TOKEN)
 E2E = Histogram("ember:e2e_request_latency_seconds", "Request latency, received to last token", buckets=_LATENCY)

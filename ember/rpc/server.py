@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from ember.rpc import logs, security, tracing
+from ember.rpc import cert_reload, logs, security, tracing
 from ember.rpc.authz import AuthzInterceptor
 from ember.rpc.drain import DrainGate
 from ember.rpc.errors import ErrorInterceptor
@@ -87,11 +87,14 @@ class Server:
     DRAIN_NOTICE_S = 1.0
 
     def __init__(self, address: str, service_names: list[str], public: bool = False, reflection_on: bool = True,
-                 internal: str | None = None):
+                 internal: str | None = None, public_tls: cert_reload.CertSource | None = None,
+                 interceptors: list | None = None):
         """An internal server listens on `address` with mTLS when this process has credentials
         (ember.rpc.security) and authorizes each call by the caller's role (ember.rpc.authz). A
-        `public` one (the router's API) listens in plaintext on `address` (API keys guard it) and
-        with mTLS on `internal`, where cluster services reach it."""
+        `public` one (the router's API) listens on `address` with server TLS when `public_tls` is
+        given (no client certificate asked; API keys guard it), else in plaintext, and with mTLS on
+        `internal`, where cluster services reach it. Certificates are re-read without a restart
+        (ember.rpc.cert_reload). `interceptors`: innermost, after authorization."""
         self.address = address
         self.service_names = service_names
         creds = security.current()
@@ -100,18 +103,19 @@ class Server:
         # (the drain's gate outermost: a call refused while draining costs nothing more)
         self.gate = DrainGate()
         interceptors = [self.gate, tracing.server_interceptor(), ErrorInterceptor()] + (
-            [AuthzInterceptor()] if creds else [])
+            [AuthzInterceptor()] if creds else []) + list(interceptors or [])
         self.server = grpc.aio.server(interceptors=interceptors, options=SERVER_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         if reflection_on:
             reflection.enable_server_reflection(service_names + [reflection.SERVICE_NAME, health.SERVICE_NAME],
                                                 self.server)
-        for listen, secure in ((address, not public), (internal, True)):
+        internal_tls = cert_reload.watch_installed() if creds is not None else None
+        for listen, tls in ((address, public_tls if public else internal_tls), (internal, internal_tls)):
             if listen is None:
                 continue
-            if secure and creds is not None:
-                bound = self.server.add_secure_port(bind_address(listen), creds.server_credentials())
+            if tls is not None:
+                bound = self.server.add_secure_port(bind_address(listen), cert_reload.watch(tls).grpc_credentials())
             else:
                 bound = self.server.add_insecure_port(bind_address(listen))
             if bound == 0:
@@ -130,6 +134,8 @@ class Server:
         log = logging.getLogger("ember")
         if notice_s is None:
             notice_s = float(os.environ.get("EMBER_DRAIN_NOTICE_S", self.DRAIN_NOTICE_S))
+        # certificates: re-read on SIGHUP and when their files change (new handshakes get them)
+        reloading = asyncio.create_task(cert_reload.run())
         await self.set_status(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self.server.start()
         if warmup is not None:
@@ -141,6 +147,7 @@ class Server:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, signals.put_nowait, sig)
         sig = await signals.get()
+        reloading.cancel()
         # drain: NOT_SERVING for good (nothing sets SERVING again), still serving for the notice
         await self.health.enter_graceful_shutdown()
         log.info("draining on %s: NOT_SERVING now, new calls refused in %g s, running calls get %g s more",

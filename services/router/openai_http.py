@@ -45,8 +45,10 @@ from opentelemetry.instrumentation.aiohttp_server import AioHttpServerInstrument
 from pydantic import ValidationError
 
 from ember.rpc import validate
+from ember.rpc.cert_reload import CertSource, watch
 from ember.rpc.errors import status_for
 from ember.rpc.server import bind_address
+from ember.services.router import public_auth
 from ember.services.router.auth import ANONYMOUS, Authenticated, KeyTable
 from ember.services.router.openai_choices import Choice
 from ember.services.router.openai_models import (
@@ -153,6 +155,7 @@ def _authentication(keys):
         header = request.headers.get("Authorization")
         tenant = keys.check_authorization(header)
         if tenant is None:
+            public_auth.count(public_auth.refusal(keys, header) or "invalid_key", "http")  # (never the key)
             message = ("You didn't provide an API key. Send it as `Authorization: Bearer KEY`." if header is None
                        else "Incorrect API key provided.")
             return error_response(401, "invalid_request_error", message, code="invalid_api_key",
@@ -385,9 +388,11 @@ class OpenAIApp:
         await response.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
 
 
-async def serve(service, address: str) -> web.AppRunner:
+async def serve(service, address: str, tls: CertSource | None = None) -> web.AppRunner:
+    """The API on `address`: HTTPS when `tls` is given (HTTP/1.1 by ALPN: aiohttp's server speaks no
+    HTTP/2; its certificate re-read on SIGHUP and file change for new connections), else plain HTTP."""
     runner = web.AppRunner(OpenAIApp(service, keys=service.keys).app, access_log=None)
     await runner.setup()
     host, port = bind_address(address).rsplit(":", 1)
-    await web.TCPSite(runner, host, int(port)).start()
+    await web.TCPSite(runner, host, int(port), ssl_context=None if tls is None else watch(tls).ssl_context()).start()
     return runner
