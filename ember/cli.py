@@ -176,11 +176,19 @@ def cmd_status(args) -> int:
     return 0
 
 
+def _folder_uid(value: str) -> tuple[str, int]:
+    folder, _, uid = value.partition("=")
+    if not folder or "/" in folder or not uid.isdigit():
+        raise argparse.ArgumentTypeError(f"{value!r} is not FOLDER=UID (e.g. redis=999)")
+    return folder, int(uid)
+
+
 def cmd_certs(args) -> int:
     """A CA and every service's certificate folder for a cluster config (ember.cluster.certs).
     Idempotent: a folder that already holds a CA is left as is unless --force (a Compose one-shot
     job reruns on every `up`)."""
-    from ember.cluster.certs import write_cluster_certs
+    from ember.cluster import redis_files
+    from ember.cluster.certs import CertificateAuthority, write_cluster_certs
     from ember.config.load import load_config
     from ember.config.services import services
     out = Path(args.out)
@@ -192,14 +200,30 @@ def cmd_certs(args) -> int:
     names = [s.name for s in services(config)] + ["operator"]
     if (out / "ca.crt").exists() and not args.force:
         missing = [n for n in names if not (out / n / "tls.crt").is_file()]
+        if redis_files.needed(config) and not (out / redis_files.FOLDER / "users.acl").is_file():
+            missing.append(redis_files.FOLDER)
         if missing:
             print(f"error: {out} has a CA but no certificate for {', '.join(missing)}; rerun with --force to "
                   "make a new CA and every certificate (then restart every service)", file=sys.stderr)
             return 1
         print(f"{out}: certificates exist, left as is (--force makes a new CA and every certificate)")
         return 0
+    missing = [f for f, _ in args.chown if f not in (*names, redis_files.FOLDER)]
+    if missing:
+        print(f"error: --chown {', '.join(missing)}: not a folder `ember certs` writes for this config",
+              file=sys.stderr)
+        return 2
     write_cluster_certs(config, out, args.days)
-    print(f"{out}: a new CA and certificates for {', '.join(names)}, valid {args.days} days")
+    try:  # directory.url a Redis: its certificate, its ACL users' file and each role's password
+        redis = redis_files.write_redis_files(config, out, CertificateAuthority.load(out))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for folder, uid in args.chown:  # a container that mounts the folder runs as its own user
+        for f in [out / folder, *(out / folder).iterdir()]:
+            os.chown(f, uid, uid)
+    print(f"{out}: a new CA and certificates for {', '.join(names)}, valid {args.days} days"
+          + (f"; Redis's certificate and ACL users in {redis}" if redis is not None else ""))
     if config.security.tls == "plaintext":
         print(f"note: {args.config} says `security: {{tls: plaintext}}`, so its services will not use them")
     return 0
@@ -271,6 +295,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--force", action="store_true", help="replace existing certificates (a new CA)")
     c.add_argument("--days", type=int, default=365, help="validity of the CA and certificates (default: %(default)s; "
                                                          "rotate with --force before then)")
+    c.add_argument("--chown", action="append", default=[], type=_folder_uid, metavar="FOLDER=UID",
+                   help="give OUT/FOLDER to this uid (and gid): the user a container mounting it runs as (redis=999 "
+                        "for the redis image, operator=65534 for Prometheus'); repeatable")
     c.set_defaults(func=cmd_certs)
 
     b = sub.add_parser("bench", help="benchmarks that write JSON")

@@ -44,12 +44,14 @@ def service_args(role: str, argv: list[str] | None = None) -> argparse.Namespace
 
 def install_credentials(config: ClusterConfig, role: str, site: str | None, worker: int = 0) -> None:
     """This service's certificate becomes its identity on every internal hop (ember.rpc.security),
-    unless the config says `security: {tls: plaintext}`."""
+    unless the config says `security: {tls: plaintext}`; its /metrics policy is installed with it."""
     from ember.config.services import security_settings, services
     from ember.rpc import security
     name = next((s.name for s in services(config) if (s.role, s.site, s.worker) == (role, site, worker)),
                 role if site is None else f"{role}-{site}")
+    from ember.rpc import metrics_http
     settings = security_settings(config, name)
+    metrics_http.install(metrics_http.access_of(settings))  # who may read its /metrics (security.metrics)
     if settings.tls_dir is None:
         security.install(None)
         return

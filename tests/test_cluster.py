@@ -464,6 +464,11 @@ def test_ember_status_shows_health_load_and_kv(cluster):
         ("prefill-central", "engine-core"), ("decode-edge", "engine-core")}
     weights = {r[0]: float(r[3]) for r in rows if r[1] == "engine-core"}
     assert all(w > 0 for w in weights.values()), weights
+    # every table above came over /metrics behind mTLS (tls: auto's default): the operator's certificate
+    import json
+    endpoints = [i["metrics"] for i in json.loads((run_dir / "services.json").read_text()).values() if i["metrics"]]
+    assert endpoints and all(e["scheme"] == "https" and e["cert"].endswith("operator/tls.crt") for e in endpoints)
+    assert all(scrape(e["address"], AT_ONCE_S) == {} for e in endpoints), "no plaintext, unauthenticated scrape"
 
 
 def test_service_logs_are_json_with_request_ids(client, cluster):

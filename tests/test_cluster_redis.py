@@ -1,4 +1,5 @@
-"""The local cluster with its block directory in a real Redis, and Redis killed mid-run;
+"""The local cluster with its block directory in a real Redis (TLS, one ACL user per role: the
+certificates, users and passwords `ember certs` writes for the config), and Redis killed mid-run;
 shared memory off, so decode takes the gRPC fallback for KV frames."""
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ import pytest
 
 from ember.client import RouterClient
 from ember.cluster.launcher import running
+from ember.config.load import load_config
+from ember.config.services import router_settings
 from ember.engine.sampling_params import SamplingParams
 from ember.kv.block_hash import chain_hashes
 from ember.kv.directory import RedisDirectory
 from ember.v1 import decode_pb2, decode_pb2_grpc
 from tests.cluster_fixture import dial, free_port, write_config
 from tests.conftest import LONG_TEXT
-from tests.redis_fixture import RedisServer
+from tests.redis_fixture import RedisServer, installed, secure_overrides, secure_server, write_secure_files
 
 
 @pytest.fixture(scope="module")
@@ -23,8 +26,10 @@ def redis_cluster(tmp_path_factory, model_path):
     """Private: its block directory is a redis-server this module crashes, and its decode reads frames over
     gRPC (no shared memory)."""
     run_dir = tmp_path_factory.mktemp("redis-cluster")
-    redis = RedisServer(free_port(), run_dir).start()
-    addr = write_config(run_dir / "cluster.yaml", directory=redis.url, shared_memory=False)
+    port = free_port()
+    addr = write_config(run_dir / "cluster.yaml", shared_memory=False,
+                        overrides=secure_overrides(f"rediss://127.0.0.1:{port}/0"))
+    redis = secure_server(port, write_secure_files(run_dir / "cluster.yaml")).start()
     try:
         with running(run_dir / "cluster.yaml", run_dir, timeout_s=240):
             yield addr | {"config": str(run_dir / "cluster.yaml")}, redis
@@ -40,8 +45,9 @@ def cached_blocks(client: RouterClient, ids: list[int]) -> dict[str, int]:
 
 def in_redis(redis: RedisServer, hashes: list[bytes], blocks: int, timeout_s: float = 30) -> None:
     """Until Redis itself says both sites hold the prompt's first `blocks` blocks."""
-    async def held() -> dict[str, int]:
-        d = RedisDirectory(redis.url)
+    async def held() -> dict[str, int]:  # as the router reads it: its user, its certificate
+        with installed(redis.workdir / "certs" / "router"):
+            d = RedisDirectory(router_settings(load_config(redis.workdir / "cluster.yaml")).redis)
         try:
             return await d.lookup(hashes, ["central", "edge"])
         except Exception:  # noqa: BLE001 - redis still starting

@@ -167,8 +167,11 @@ def full_config(model_path: Path) -> dict:
                    "decode": {"max_num_seqs": 8, "cpus": format_cpus(host_cpus())}},
         "kvstore": {"capacity_mb": 64, "codec": "planes", "shared_memory": True, "shm_socket": "@ember-test",
                     "chunks_dir": "/tmp/ember-test-chunks", "chunks_capacity_mb": 512, "chunks_codec": "raw"},
-        "directory": {"url": "redis://127.0.0.1:1/0", "ttl_s": 30},
-        "security": {"tls": "files", "tls_dir": "certs/{name}"},
+        "directory": {"url": "rediss://127.0.0.1:1/0", "ttl_s": 30, "tls_ca": "redis-ca.crt", "client_cert": False,
+                      "users": {"router": {"username": "r", "password_file": "certs/{name}/redis-password"},
+                                "kvstore": {"username": "k", "password_env": "EMBER_TEST_REDIS_PASSWORD"}}},
+        "security": {"tls": "files", "tls_dir": "certs/{name}", "metrics": {"auth": "token",
+                                                                             "token_file": "metrics.token"}},
     }
 
 

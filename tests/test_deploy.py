@@ -244,8 +244,10 @@ def test_compose_certs_job_runs_first_and_each_service_mounts_only_its_own_folde
     job = services_["certs"]
     assert job["image"] == "ember:latest" and job.get("restart") == "no"
     assert job["command"][:2] == ["ember", "certs"]
-    args = dict(zip(job["command"][2::2], job["command"][3::2]))
-    assert args == {"--config": MOUNTED, "--out": args["--out"]} and "--force" not in job["command"]
+    args = certs_job_args(job)
+    assert args.config == MOUNTED and not args.force
+    assert dict(args.chown) == {"redis": 999, "operator": 65534}  # the users of the redis and prometheus images
+    args = {"--out": args.out}
     [out] = [v for v in job["volumes"] if v["target"] == args["--out"]]
     assert out["type"] == "volume" and out["source"] in model["volumes"] and not out.get("read_only")
     certs_volume = out["source"]
@@ -262,8 +264,17 @@ def test_compose_certs_job_runs_first_and_each_service_mounts_only_its_own_folde
         else:
             assert test[1:] == healthcheck_argv(name, expected()[name]["listen"]), name
     for name, svc in services_.items():  # the volume root (ca.key) is the job's alone
-        if name not in ember and name != "certs":
-            assert not tls_mounts(svc.get("volumes") or [], certs_volume), name
+        if name not in ember and name != "certs":  # redis its own folder, Prometheus the operator's
+            mounts = [v for v in svc.get("volumes") or [] if v.get("source") == certs_volume]
+            want = {"redis": [("redis", "/etc/redis/tls")], "prometheus": [("operator", "/etc/prometheus/tls")]}
+            assert [(v["volume"]["subpath"], v["target"]) for v in mounts] == want.get(name, []), name
+            assert all(v["read_only"] for v in mounts), name
+
+
+def certs_job_args(job: dict):
+    """The Compose certs job's flags, parsed by `ember certs`' own parser."""
+    from ember.cli import build_parser
+    return build_parser().parse_args(job["command"][1:])
 
 
 def test_kubernetes_pods_mount_only_their_own_certificate_secret():
@@ -283,9 +294,11 @@ def test_kubernetes_pods_mount_only_their_own_certificate_secret():
         port = int(want[name]["listen"].rsplit(":", 1)[1])
         for probe in ("readinessProbe", "livenessProbe"):
             assert probe_port(container[probe], name) == port, (name, probe)
-    for d in deployments.values():  # nobody else (redis) holds an Ember certificate
+    for d in deployments.values():  # nobody else holds an Ember certificate: redis only its own folder
         if d["metadata"]["name"] not in want:
-            assert not any("secret" in v for v in d["spec"]["template"]["spec"].get("volumes", [])), d
+            secrets = [v["secret"]["secretName"] for v in d["spec"]["template"]["spec"].get("volumes", [])
+                       if "secret" in v]
+            assert secrets == (["ember-tls-redis"] if d["metadata"]["name"] == "redis" else []), d
 
 
 def _files(folder: Path) -> dict[str, tuple[bytes, int]]:
@@ -333,7 +346,7 @@ def test_ember_certs_writes_a_folder_per_service_that_verifies_and_names_it(tmp_
         if creds.mac_key is not None:
             macs.add(creds.mac_key)
     assert len(macs) == 1 and len(macs.pop()) >= 32, "one KV MAC secret, shared by the KV producers only"
-    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted([*expected(), "operator"])
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == sorted([*expected(), "operator", "redis"])
 
     before = _files(out)
     again = ember_certs(out)  # Compose's job reruns on every `up`: it must not rotate anything

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ember.bench.agentic_workload import Session
+from ember.rpc import metrics_http
 
 # built by scripts/build-llama-server.sh into the checkout (run the bench from its root), or anywhere else
 LLAMA_SERVER = Path(os.environ.get("EMBER_LLAMA_SERVER", "third_party/llama.cpp/bin/llama-server")).resolve()
@@ -68,7 +69,7 @@ class _Timer:
 class EmberCluster:
     name = "ember-disagg"
 
-    def __init__(self, router: str, kvstores: list[str], block_bytes: int, engine_metrics: list[str] = (),
+    def __init__(self, router: str, kvstores: list[str], block_bytes: int, engine_metrics: list[dict | str] = (),
                  credentials=None):
         """`credentials`: the operator's certificate (ember.cluster.launcher.credentials) for the
         kvstores' stats over mTLS; None: plaintext."""
@@ -104,7 +105,7 @@ class EmberCluster:
         from prometheus_client.parser import text_string_to_metric_families
         totals = {"l1": 0.0, "l2": 0.0, "computed": 0.0}
         for address in self.engine_metrics:
-            text = await asyncio.to_thread(_http_get, f"http://{address}/metrics")
+            text = await asyncio.to_thread(metrics_http.fetch, address, 30)  # services.json's endpoint
             for family in text_string_to_metric_families(text):
                 if family.name == "ember:prompt_tokens_by_tier":
                     for sample in family.samples:
@@ -154,12 +155,6 @@ class EmberColocated:
 
     async def close(self) -> None:
         self.engine.close()
-
-
-def _http_get(url: str) -> str:
-    import urllib.request
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return response.read().decode()
 
 
 class Transformers:

@@ -88,8 +88,9 @@ class CertificateAuthority:
     def cert_pem(self) -> bytes:
         return self.cert.public_bytes(serialization.Encoding.PEM)
 
-    def issue(self, name: str, identity: Identity, addresses: list[str | None] = ()) -> tuple[bytes, bytes]:
-        """(certificate PEM, key PEM) for one service: server and client use, its SANs."""
+    def issue(self, name: str, identity: Identity | None, addresses: list[str | None] = ()) -> tuple[bytes, bytes]:
+        """(certificate PEM, key PEM) for one service: server and client use, its SANs (no Ember
+        identity for a server that is not an Ember service: redis-server)."""
         key = _key()
         now = datetime.datetime.now(datetime.UTC)
         cert = (x509.CertificateBuilder()
@@ -98,14 +99,15 @@ class CertificateAuthority:
                 .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
                 .not_valid_after(now + datetime.timedelta(days=self.valid_days))
                 .add_extension(x509.SubjectAlternativeName(
-                    [x509.UniformResourceIdentifier(identity.uri)] + _hosts(list(addresses), name)), critical=False)
+                    ([x509.UniformResourceIdentifier(identity.uri)] if identity else [])
+                    + _hosts(list(addresses), name)), critical=False)
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
                 .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                       ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
                 .sign(self.key, hashes.SHA256()))
         return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
 
-    def write_service(self, out: Path, name: str, identity: Identity, addresses: list[str | None] = (),
+    def write_service(self, out: Path, name: str, identity: Identity | None, addresses: list[str | None] = (),
                       mac_key: bytes | None = None) -> Path:
         folder = out / name
         cert, key = self.issue(name, identity, addresses)

@@ -167,6 +167,18 @@ def router_ca(config: ClusterConfig, run_dir: Path) -> str | None:
     return str(run_dir / "certs" / "ca.crt") if config.router.tls == "auto" else router_settings(config).tls_ca
 
 
+def metrics_endpoint(config: ClusterConfig, run_dir: Path, name: str, argv: list[str]) -> dict | None:
+    """services.json's "metrics" of service `name` (its command line `argv`): where its /metrics is and
+    how the operator reads it (ember.rpc.metrics_http.endpoint); None when it serves none."""
+    if "--metrics-listen" not in argv:
+        return None
+    from ember.config.services import security_settings
+    from ember.rpc import metrics_http
+    access = metrics_http.access_of(security_settings(config, name, env=tls_env(config, run_dir, name)))
+    operator = security_settings(config, "operator", env=tls_env(config, run_dir, "operator")).tls_dir
+    return metrics_http.endpoint(argv[argv.index("--metrics-listen") + 1], access, operator)
+
+
 def credentials(run_dir: str | Path | None = None, name: str = "operator") -> security.Credentials | None:
     """The certificate `name` (operator: CLI tools and tests) holds in a running cluster's run
     folder, or None when the cluster runs plaintext (or with mounted certificates elsewhere)."""
@@ -268,7 +280,7 @@ def up(config_path: str | Path | None = None, run_dir: str | Path | None = None,
         (run_dir / "services.json").write_text(json.dumps(  # for `ember status`, restarts and tests
             {n: {"address": a, "role": specs[n].role if n in specs else n,
                  "site": specs[n].site if n in specs else None, **({"ca": public_ca} if n == "router" else {}),
-                 "metrics": argv[argv.index("--metrics-listen") + 1] if "--metrics-listen" in argv else None,
+                 "metrics": metrics_endpoint(config, run_dir, n, argv),
                  "argv": argv, "env": {**(env or {}), **service_extra_env(config, run_dir, n, commands)}}
              for n, (argv, a) in commands.items()}, indent=1))
         deadline = time.monotonic() + timeout_s

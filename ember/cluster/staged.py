@@ -11,7 +11,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from ember.cluster.launcher import credentials, service_commands, spawn, tls_env, wait_serving
+from ember.cluster.launcher import credentials, metrics_endpoint, service_commands, spawn, tls_env, wait_serving
 from ember.config.load import load_config
 from ember.config.services import services
 
@@ -41,8 +41,8 @@ class Staged:
         spec = self.specs.get(name)
         self._services[name] = {"address": address, "role": spec.role if spec else name,
                                 "site": spec.site if spec else None,
-                                "metrics": argv[argv.index("--metrics-listen") + 1] if "--metrics-listen" in argv
-                                else None, "argv": argv, "env": full_env}
+                                "metrics": metrics_endpoint(self.config, self.run_dir, name, argv), "argv": argv,
+                                "env": full_env}
         self._record()
         if wait:
             self.wait_serving(name, timeout_s)

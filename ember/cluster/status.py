@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import urllib.request
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from ember.rpc import security
+from ember.rpc import metrics_http, security
 
 
 def health(address: str, creds: security.Credentials | None = None, public_ca: str | None = None) -> str:
@@ -25,13 +24,14 @@ def health(address: str, creds: security.Credentials | None = None, public_ca: s
         return e.code().name
 
 
-def scrape(address: str | None, timeout_s: float = 2.0) -> dict[str, float]:
+def scrape(endpoint: dict | str | None, timeout_s: float = 2.0) -> dict[str, float]:
     """Every sample of the service's /metrics (Prometheus text, prometheus_client's parser); {} when it
-    does not answer within `timeout_s`."""
-    if not address:
+    does not answer within `timeout_s`. `endpoint`: services.json's "metrics" entry (its address and
+    how the operator authenticates: ember.rpc.metrics_http), or HOST:PORT of an open one."""
+    if not endpoint:
         return {}
     try:
-        text = urllib.request.urlopen(f"http://{address}/metrics", timeout=timeout_s).read().decode()
+        text = metrics_http.fetch(endpoint, timeout_s)
     except OSError:
         return {}
     values: dict[str, float] = {}

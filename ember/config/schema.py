@@ -265,18 +265,78 @@ class KVStoreSection(Section):
                                                                      "raw stores and sends them uncompressed")
 
 
+class RedisUserSection(Section):
+    """A Redis ACL user (ember.kv.redis_acl gives each role only the commands and keys it needs)."""
+    username: str = Field(min_length=1, description="the role's Redis user")
+    password_file: str | None = Field(None, description="a file holding its password, relative to this file; "
+                                                        "`{name}` stands for the service's name")
+    password_env: str | None = Field(None, description="or: the environment variable holding it")
+
+    @model_validator(mode="after")
+    def _one_password_source(self):
+        if (self.password_file is None) == (self.password_env is None):
+            raise ValueError("give exactly one of password_file (a file holding the password) or password_env "
+                             "(a variable holding it): a password is never written in the config")
+        return self
+
+
+class RedisUsersSection(Section):
+    router: RedisUserSection | None = Field(None, description="the routers' user (directory lookups, the shared "
+                                                              "worker view)")
+    kvstore: RedisUserSection | None = Field(None, description="the kvstores' user (they publish their blocks)")
+
+
 class DirectorySection(Section):
-    url: str | None = Field(None, description="redis://HOST:PORT/DB shared by all sites; unset: the in-memory "
+    url: str | None = Field(None, description="redis://HOST:PORT/DB shared by all sites (rediss:// for TLS, "
+                                              "required unless security.tls is plaintext); unset: the in-memory "
                                               "directory the router hosts")
     ttl_s: float = Field(60.0, gt=0, description="entries expire unless the kvstore refreshes them")
+    tls_ca: str | None = Field(None, description="rediss: the CA file that signed redis-server's certificate, "
+                                                 "relative to this file; unset: the cluster CA (each service's "
+                                                 "ca.crt)")
+    client_cert: bool = Field(True, description="rediss: each service presents its cluster certificate when "
+                                                "redis-server asks (tls-auth-clients)")
+    users: RedisUsersSection = Field(RedisUsersSection(), description="the Redis ACL user of each role; unset: "
+                                                                      "Redis's default user")
 
     @field_validator("url")
     @classmethod
     def _redis_url(cls, v):
         if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError(f"{v!r} is not a Redis URL (e.g. redis://127.0.0.1:6379/0); omit it for the "
+            raise ValueError(f"{v!r} is not a Redis URL (e.g. rediss://127.0.0.1:6379/0); omit it for the "
                              "in-memory directory")
+        if v is not None:
+            from urllib.parse import urlsplit
+            if urlsplit(v).password is not None or "password=" in v:
+                raise ValueError("a password in the URL would sit in the config in clear: give each role a user "
+                                 "under directory.users (password_file or password_env)")
         return v
+
+    @model_validator(mode="after")
+    def _options_need_redis(self):
+        if self.url is None:
+            for key in ("tls_ca", "users"):
+                if key in self.model_fields_set:
+                    raise ValueError(f"directory.{key}: set only with directory.url (a Redis); the in-memory "
+                                     "directory is reached over the cluster's mTLS")
+        elif self.tls_ca is not None and not self.url.startswith("rediss://"):
+            raise ValueError(f"directory.tls_ca: only for a rediss:// (TLS) url, got {self.url!r}")
+        return self
+
+
+class MetricsAuthSection(Section):
+    """Who may read a service's Prometheus /metrics (ember.rpc.metrics_http)."""
+    auth: Literal["auto", "mtls", "token", "none"] = Field(
+        "auto", description="mtls: HTTPS, and only a cluster certificate of the operator role (`ember status`, "
+                            "Prometheus) is served; token: a bearer token (`Authorization: Bearer ...`), over "
+                            "HTTPS unless security.tls is plaintext; none: open plain HTTP; auto: mtls, or none "
+                            "when security.tls is plaintext")
+    token_file: str | None = Field(None, description="token: a file holding the bearer token, relative to this "
+                                                     "file; `{name}` stands for the service's name")
+
+    def mode(self, tls: str) -> str:
+        """The effective auth under security.tls `tls`: auto resolved."""
+        return ("none" if tls == "plaintext" else "mtls") if self.auth == "auto" else self.auth
 
 
 class SecuritySection(Section):
@@ -287,6 +347,8 @@ class SecuritySection(Section):
     tls_dir: str | None = Field(None, description="files: each service's folder of ca.crt, tls.crt, tls.key (and "
                                                   "kv-mac.key for prefill and decode); `{name}` stands for the "
                                                   "service's name; EMBER_TLS_DIR overrides it")
+    metrics: MetricsAuthSection = Field(MetricsAuthSection(), description="who may scrape each service's "
+                                                                          "/metrics")
 
     @model_validator(mode="after")
     def _files_need_a_dir(self):
@@ -294,6 +356,20 @@ class SecuritySection(Section):
             raise ValueError("security.tls_dir: required with `tls: files` (e.g. /etc/ember/tls/{name}), or use "
                              "`tls: auto` to let `ember up` make certificates")
         return self
+
+    @model_validator(mode="after")
+    def _metrics_auth(self):
+        m = self.metrics
+        if m.auth == "mtls" and self.tls == "plaintext":
+            raise ValueError("security.metrics.auth: mtls needs the cluster's certificates, but security.tls is "
+                             "plaintext; use token (with token_file) or none")
+        if m.auth == "token" and m.token_file is None:
+            raise ValueError("security.metrics.token_file: required with `auth: token` (a file holding the bearer "
+                             "token)")
+        if m.auth != "token" and m.token_file is not None:
+            raise ValueError(f"security.metrics.token_file: set only with `auth: token` (auth is {m.auth!r})")
+        return self
+
 
 
 class ClusterConfig(Section):
@@ -362,6 +438,15 @@ class ClusterConfig(Section):
         self._links = {}
         for link in self.links:
             self._links[(link.a, link.b)] = self._links[(link.b, link.a)] = link
+        return self
+
+    @model_validator(mode="after")
+    def _no_plaintext_redis(self):
+        url = self.directory.url
+        if url is not None and url.startswith("redis://") and self.security.tls != "plaintext":
+            raise ValueError(f"directory.url: {url!r} is a plaintext hop in a cluster whose security.tls is "
+                             f"{self.security.tls!r}: use rediss:// (redis-server's TLS, `--tls-port`) with "
+                             "directory.users, or a unix:// socket; docs/deploy.md, Security")
         return self
 
     # -- lookups ---------------------------------------------------------------------------

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ember.config.schema import ENGINE_ROLES, ClusterConfig
+from ember.kv.redis_client import RedisSettings, RedisUser
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,7 @@ class KVStoreSettings:
     max_lease_s: float       # the longest lease it grants (longer requests are clamped)
     peers: tuple[str, ...] = ()  # the other sites' kvstores (gRPC): the only sources a Pull may name
     link_GBps: tuple[tuple[str, float], ...] = ()  # (peer kvstore, GB/s of the configured link to its site)
+    redis: RedisSettings | None = None  # how it connects to the directory's Redis (None: no Redis)
 
 
 @dataclass(frozen=True)
@@ -85,12 +87,15 @@ class RouterSettings:
     require_api_key: bool = False
     reflection: bool = False
     shared_prefixes: tuple[str, ...] = ()
+    redis: RedisSettings | None = None  # how it connects to the directory's Redis (None: no Redis)
 
 
 @dataclass(frozen=True)
 class SecuritySettings:
     tls: str                 # auto, files, plaintext
     tls_dir: str | None      # this service's folder (ca.crt, tls.crt, tls.key[, kv-mac.key]); None: plaintext
+    metrics_auth: str = "none"            # who may scrape its /metrics: mtls, token, none
+    metrics_token_file: str | None = None  # token: the file holding the bearer token
 
 
 def kvstore_settings(config: ClusterConfig, site_name: str) -> KVStoreSettings:
@@ -103,7 +108,27 @@ def kvstore_settings(config: ClusterConfig, site_name: str) -> KVStoreSettings:
                   if (link := config.link(site.name, s.name)) is not None)
     return KVStoreSettings(site.name, site.kvstore, site.kvstore_data, k.capacity_mb, k.codec,
                            k.shm_socket if k.shared_memory else "", config.directory_url(), config.directory.ttl_s,
-                           k.max_lease_s, tuple(s.kvstore for s in others), links)
+                           k.max_lease_s, tuple(s.kvstore for s in others), links,
+                           redis_settings(config, "kvstore", f"kvstore-{site.name}"))
+
+
+def _path(config: ClusterConfig, value: str, service_name: str) -> str:
+    """A file named in the config: `{name}` is the service's name, relative to the config's folder."""
+    return str((config._base / value.replace("{name}", service_name)).resolve())
+
+
+def redis_settings(config: ClusterConfig, role: str, service_name: str) -> RedisSettings | None:
+    """How service `service_name` (a router or kvstore) connects to the directory's Redis: the URL,
+    the CA of its TLS and the ACL user of `role` (where its password is read from); None: no Redis."""
+    d = config.directory
+    if d.url is None:
+        return None
+    u = getattr(d.users, role)
+    user = None if u is None else RedisUser(
+        u.username, None if u.password_file is None else _path(config, u.password_file, service_name),
+        u.password_env, f"directory.users.{role}")
+    return RedisSettings(d.url, None if d.tls_ca is None else _path(config, d.tls_ca, service_name), d.client_cert,
+                         user)
 
 
 def engine_values(config: ClusterConfig, role: str, site_name: str, worker: int = 0) -> dict:
@@ -167,7 +192,8 @@ def router_settings(config: ClusterConfig) -> RouterSettings:
     keys = None if r.api_keys_file is None else str((config._base / r.api_keys_file).resolve())
     return RouterSettings(r.listen, r.http, r.site, r.max_inflight, r.retry_after_s, r.max_migrations,
                           r.stall_timeout_s, str(config.model_path()), config.directory.url, config.directory.ttl_s,
-                          r.internal, keys, r.require_api_key, r.reflection, tuple(r.shared_prefixes))
+                          r.internal, keys, r.require_api_key, r.reflection, tuple(r.shared_prefixes),
+                          redis_settings(config, "router", "router"))
 
 
 def security_settings(config: ClusterConfig, service_name: str, env: dict | None = None) -> SecuritySettings:
@@ -175,14 +201,16 @@ def security_settings(config: ClusterConfig, service_name: str, env: dict | None
     mode), else security.tls_dir; `{name}` in either stands for the service's name."""
     import os
     sec = config.security
+    m = sec.metrics
+    metrics = (m.mode(sec.tls), None if m.token_file is None else _path(config, m.token_file, service_name))
     if sec.tls == "plaintext":
-        return SecuritySettings("plaintext", None)
+        return SecuritySettings("plaintext", None, *metrics)
     folder = (os.environ if env is None else env).get("EMBER_TLS_DIR") or sec.tls_dir
     if not folder:
         raise ValueError(f"{service_name}: security.tls is {sec.tls!r} but no certificates are known: `ember up` "
                          "makes them (auto), or set security.tls_dir / EMBER_TLS_DIR to a folder of ca.crt, tls.crt "
                          "and tls.key (`ember certs` writes one per service), or say `security: {tls: plaintext}`")
-    return SecuritySettings(sec.tls, str((config._base / folder.replace("{name}", service_name)).resolve()))
+    return SecuritySettings(sec.tls, str((config._base / folder.replace("{name}", service_name)).resolve()), *metrics)
 
 
 def service_settings(config: ClusterConfig, role: str, site: str | None = None, worker: int = 0) -> dict:

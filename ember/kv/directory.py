@@ -15,6 +15,10 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from ember.kv.redis_client import RedisSettings
 
 
 class BlockDirectory(ABC):
@@ -67,11 +71,13 @@ class MemoryDirectory(BlockDirectory):
 class RedisDirectory(BlockDirectory):
     """Keys `ember:blk:<site>:<16-byte hash>` with an expiry; reads are one MGET."""
 
-    def __init__(self, url: str, ttl_s: float = 60.0, timeout_s: float = 0.5):
-        import redis.asyncio as redis
-        self.ttl_s, self.url = ttl_s, url
+    def __init__(self, target: RedisSettings | str, ttl_s: float = 60.0, timeout_s: float = 0.5):
+        """`target`: a URL, or its settings (TLS, the role's ACL user: ember.kv.redis_client)."""
+        from ember.kv.redis_client import connect
+        self.ttl_s = ttl_s
+        self.url = target if isinstance(target, str) else target.url
         # Short timeouts: a dead Redis must cost a request milliseconds, not seconds.
-        self.redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.redis = connect(target, timeout_s)
 
     @staticmethod
     def key(site: str, block_hash: bytes) -> bytes:

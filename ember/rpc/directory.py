@@ -3,6 +3,7 @@ router runs it) and the client kvstores publish through; `open_directory` picks 
 from __future__ import annotations
 
 from ember.kv.directory import BlockDirectory, MemoryDirectory, RedisDirectory
+from ember.kv.redis_client import RedisSettings
 from ember.rpc import validate
 from ember.rpc.server import channel
 from ember.v1 import directory_pb2, directory_pb2_grpc
@@ -49,10 +50,11 @@ class RemoteDirectory(BlockDirectory):
         await self.channel.close()
 
 
-def open_directory(url: str, ttl_s: float = 60.0) -> BlockDirectory:
-    """redis://HOST:PORT[/DB] -> RedisDirectory; grpc://HOST:PORT -> RemoteDirectory."""
+def open_directory(url: str, ttl_s: float = 60.0, redis: RedisSettings | None = None) -> BlockDirectory:
+    """redis://HOST:PORT[/DB] (rediss://, unix://) -> RedisDirectory, connected with `redis` (TLS, the
+    role's ACL user) when given; grpc://HOST:PORT -> RemoteDirectory."""
     if url.startswith(("redis://", "rediss://", "unix://")):
-        return RedisDirectory(url, ttl_s)
+        return RedisDirectory(redis or url, ttl_s)
     if url.startswith("grpc://"):
         return RemoteDirectory(url.removeprefix("grpc://"), ttl_s)
     raise ValueError(f"directory URL {url!r} must start with redis:// or grpc://")

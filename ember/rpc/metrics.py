@@ -1,13 +1,13 @@
 """Prometheus metrics of every service, named after vLLM's where one exists (`vllm:` -> `ember:`).
 
-Each process serves its registry on `/metrics` (`serve(address)`, a small thread from
-prometheus-client). Gauges that mirror engine or store state are read at scrape time.
+Each process serves its registry on `/metrics` (`serve(address)`, a small thread; who may read it:
+ember.rpc.metrics_http). Gauges that mirror engine or store state are read at scrape time.
 """
 from __future__ import annotations
 
 import os
 
-from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ember.util import memory
@@ -17,9 +17,10 @@ _TOKEN = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1
 
 # router: the user's view
 TTFT = Histogram("ember:time_to_first_token_seconds", "Time to first token", buckets=_LATENCY)
-AUTH_FAILURES = Counter("ember:auth_failures", "Public calls refused for their API key (HTTP 401, gRPC "
-                        "UNAUTHENTICATED), by reason (missing_key, malformed_header, invalid_key) and protocol "
-                        "(grpc, http)", ["reason", "protocol"])
+AUTH_FAILURES = Counter("ember:auth_failures", "Calls refused for their credentials, by reason and protocol: the "
+                        "router's public ports for their API key (grpc, http: missing_key, malformed_header, "
+                        "invalid_key; HTTP 401, gRPC UNAUTHENTICATED) and any service's /metrics (metrics: "
+                        "metrics_tls, metrics_role, metrics_token; ember.rpc.metrics_http)", ["reason", "protocol"])
 TPOT = Histogram("ember:time_per_output_token_seconds", "Mean time per output token of a request", buckets=_TOKEN)
 INTER_TOKEN = Histogram("ember:inter_token_latency_seconds", "Gap between streamed tokens", buckets=_TOKEN)
 E2E = Histogram("ember:e2e_request_latency_seconds", "Request latency, received to last token", buckets=_LATENCY)
@@ -177,9 +178,10 @@ def watch_store(store) -> None:
 
 
 def serve(address: str | None) -> None:
+    """Serve /metrics on `address` under this process's policy (security.metrics: ember.rpc.metrics_http)."""
     if address:
+        from ember.rpc import metrics_http
         if not _MEMORY.registered:
             REGISTRY.register(_MEMORY)
             _MEMORY.registered = True
-        host, port = address.rsplit(":", 1)
-        start_http_server(int(port), addr=host)
+        metrics_http.serve(address)

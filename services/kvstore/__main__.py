@@ -49,7 +49,11 @@ async def main(args) -> None:
         data_server = await transfer.serve(  # over mTLS, blocks stream only to the cluster's kvstores
             host, int(port), store.pinned, tls=None if creds is None else creds.server_context(),
             authorize=lambda peercert: security.peer_has_role(peercert, {"kvstore"}))
-    publisher = Publisher(store, open_directory(s.directory, s.directory_ttl_s), s.site)
+    try:  # (rediss:// and the kvstores' ACL user when configured: ember.kv.redis_client)
+        directory = open_directory(s.directory, s.directory_ttl_s, s.redis)
+    except ValueError as e:  # its Redis password cannot be read
+        raise SystemExit(f"kvstore-{s.site}: {e}") from None
+    publisher = Publisher(store, directory, s.site)
     publisher.start()
 
     async def stop():

@@ -33,9 +33,13 @@ async def main(args) -> None:
                          "or router.api_keys_file (a YAML file mapping each key to its tenant)")
     model = model_facts(config)  # the KV layout every engine of the cluster writes, read from the model's files
     # Redis when configured; otherwise this router hosts an in-memory directory the kvstores publish to
-    directory = RedisDirectory(s.directory, s.directory_ttl_s) if s.directory else MemoryDirectory(s.directory_ttl_s)
-    # several routers behind one balancer share worker load and down reports through that Redis
-    shared = SharedWorkerView(s.directory, name=f"router@{s.listen}") if s.directory else None
+    # (rediss:// and the router's ACL user when configured: ember.kv.redis_client)
+    try:
+        directory = RedisDirectory(s.redis, s.directory_ttl_s) if s.redis else MemoryDirectory(s.directory_ttl_s)
+        # several routers behind one balancer share worker load and down reports through that Redis
+        shared = SharedWorkerView(s.redis, name=f"router@{s.listen}") if s.redis else None
+    except ValueError as e:  # its Redis password cannot be read
+        raise SystemExit(f"router: {e}") from None
     workers = WorkerPool(config, parse_routes(args.route), shared)
     tokenizer = Tokenizer.from_folder(model.folder)
     service = RouterService(

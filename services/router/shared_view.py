@@ -23,6 +23,8 @@ from collections.abc import Callable
 
 from redis.exceptions import RedisError
 
+from ember.kv.redis_client import RedisSettings, connect
+
 log = logging.getLogger("ember.router")
 ROUTERS = "ember:routers"
 DOWN_CHANNEL = "ember:worker-down"
@@ -34,11 +36,11 @@ def load_key(router_id: str) -> str:
 
 
 class SharedWorkerView:
-    def __init__(self, url: str, name: str = "router", ttl_s: float = 3.0, timeout_s: float = 0.5):
-        import redis.asyncio as redis
+    def __init__(self, target: RedisSettings | str, name: str = "router", ttl_s: float = 3.0, timeout_s: float = 0.5):
+        """`target`: the directory's Redis, a URL or its settings (TLS, the router's ACL user)."""
         self.router_id = f"{name}-{uuid.uuid4().hex[:8]}"
         self.ttl_s = ttl_s
-        self.redis = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self.redis = connect(target, timeout_s)
         self._listener: asyncio.Task | None = None
         self._failing = False
 
