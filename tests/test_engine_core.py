@@ -21,7 +21,7 @@ from ember.kv.block_hash import chain_hashes
 from ember.serving.engine_client import InProcessEngineClient, SubprocessEngineClient
 from ember.serving.engine_core import EngineCore
 from ember.serving.messages import AddRequest, KVPlan
-from tests.cluster_fixture import AT_ONCE_S
+from tests.cluster_fixture import AT_ONCE_S, wait_until_async
 from tests.conftest import LONG_TEXT, PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -301,3 +301,68 @@ def test_the_waiting_queue_is_bounded_and_a_queued_request_past_its_deadline_is_
     while engine.has_unfinished():
         core.turn()
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_the_core_publishes_its_state_during_a_long_step_and_counts_as_it_goes(make_engine):
+    """A step made long on purpose (its model run first sleeps `long_s`): the service side hears the core's
+    state at least every 0.5 s while it runs (the publisher thread of serve_loop, not the step's outputs),
+    saying a step is in progress and what it prefills; a request sent meanwhile counts as waiting at once;
+    computed and generated tokens advance per step, before the request ends (the later prefill steps
+    sleep `chunk_s`, longer than PUBLISH_S, so a state between chunks is heard)."""
+    from ember.serving.messages import PUBLISH_S
+    long_s, chunk_s, chunk = 1.6, 0.6, 64
+    engine = make_engine(kv_cache_mb=64, max_num_batched_tokens=chunk)
+    ids = engine.tokenizer.encode(LONG_TEXT[:800])
+    assert len(ids) > 2 * chunk
+    run_model, slept, started = engine.runner.run, [], []
+
+    def run_long(batch):
+        if not slept:
+            started.append(time.monotonic())
+            time.sleep(long_s)  # (releases the GIL, as the C++ kernels and torch do)
+            slept.append(time.monotonic())
+        elif batch.num_decodes < len(batch.seqs):
+            time.sleep(chunk_s)
+        return run_model(batch)
+    engine.runner.run = run_long
+
+    async def go():
+        client = InProcessEngineClient(engine)
+        heard: list[tuple[float, object]] = []  # (when the service side got it, the snapshot)
+        deliver = client._deliver
+
+        def recording(events, snapshot):
+            heard.append((time.monotonic(), snapshot))
+            deliver(events, snapshot)
+        client._deliver = recording
+        try:
+            first = asyncio.ensure_future(collect(client, ids, SamplingParams(max_tokens=6, ignore_eos=True), "long"))
+            await wait_until_async(lambda: client.snapshot.step_since, AT_ONCE_S, "the step in progress, heard")
+            # the core is inside the step: a second request is waiting from the moment it is sent
+            second = asyncio.ensure_future(collect(client, ids[:40], SamplingParams(max_tokens=2, ignore_eos=True),
+                                                   "second"))
+            await asyncio.sleep(0)  # (its add is sent)
+            now = client.current()
+            assert (now.running, now.waiting) == (1, 1) and not slept, "counted before the core could read it"
+            mid_prefill = await wait_until_async(lambda: next(
+                (s for _, s in heard if 0 < s.tokens_computed < len(ids)), None),
+                AT_ONCE_S, "tokens computed counted after the first chunk, before the prompt is done")
+            assert mid_prefill.tokens_computed % chunk == 0 and mid_prefill.generation_tokens == 0
+            await asyncio.gather(first, second)
+        finally:
+            client.close()
+        during = [(t, s) for t, s in heard if s.step_since and s.at < slept[0]]  # (the next step begins after)
+        assert len(during) >= int(long_s / 0.5), f"{len(during)} snapshots during a {long_s} s step"
+        stamps = [started[0]] + [s.at for _, s in during] + [slept[0]]
+        gaps = [b - a for a, b in zip(stamps, stamps[1:])]
+        print(f"state published during a {long_s} s step: {len(during)} times, largest gap {max(gaps):.3f} s "
+              f"(PUBLISH_S {PUBLISH_S})")
+        assert max(gaps) <= 0.5, gaps
+        assert all(s.running == 1 and s.step_prefill_tokens == chunk for _, s in during)
+        # the rest of its prompt; the second request is the client's to count until the step ends
+        assert all(s.queued_prefill_tokens == len(ids) - chunk and s.waiting == 0 for _, s in during)
+        final = client.snapshot
+        assert final.tokens_computed + final.tokens_l1 + final.tokens_l2 == len(ids) + 40
+        assert final.generation_tokens == 6 + 2 and final.prefix_queries == len(ids) + 40
+        assert final.step_since == 0.0 and final.running == final.waiting == 0
+    run(go())

@@ -7,6 +7,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -23,7 +24,7 @@ from ember.engine.model_runner import ModelRunner
 from ember.engine.outputs import RequestOutput
 from ember.engine.sampler import adjust_logits, apply_masks, sample, token_logprobs
 from ember.engine.sampling_params import SamplingParams
-from ember.engine.scheduler import Scheduler
+from ember.engine.scheduler import ScheduledBatch, Scheduler
 from ember.engine.sequence import NO_TENANT, Sequence, Tenant
 from ember.engine.speculation import NgramIndex, accepted_prefix
 from ember.engine.step_policy import SLO
@@ -148,6 +149,9 @@ class LLMEngine:
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._ids = itertools.count()
+        # called with each step's batch once it is scheduled, before the model runs it (the engine core's
+        # live state: what the step computes, from when); None: nothing
+        self.on_batch: Callable[[ScheduledBatch], None] | None = None
 
     # -- requests ----------------------------------------------------------------------
     def close(self) -> None:
@@ -253,6 +257,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        if self.on_batch is not None:
+            self.on_batch(batch)
         began = time.perf_counter()
         logits, sampled = self.runner.run(batch)
         self.scheduler.step_done(batch, time.perf_counter() - began)

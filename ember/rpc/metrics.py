@@ -43,13 +43,25 @@ TENANT_TTFT = Histogram("ember:tenant_time_to_first_token_seconds", "Time to fir
 RPC_ERRORS = Counter("ember:request_errors", "Calls that ended in an error, by gRPC status", ["method", "code"])
 # engine services (prefill, decode)
 RUNNING = Gauge("ember:num_requests_running", "Sequences in the running batch")
-WAITING = Gauge("ember:num_requests_waiting", "Sequences waiting for admission")
+WAITING = Gauge("ember:num_requests_waiting", "Requests at this worker not running yet: queued, loading their KV, or "
+                "on their way to the engine core (counted from their arrival, also during a long step)")
 KV_USAGE = Gauge("ember:kv_cache_usage_perc", "Fraction of the paged KV pool referenced by sequences")
 CORE_PID = Gauge("ember:engine_core_pid", "The engine core's process id (forked by the engine template, "
                  "ember.serving.template, it is not this service's child)")
 KV_CAPACITY = Gauge("ember:kv_cache_capacity_tokens", "Tokens the paged KV pool holds (blocks x block size)")
-PROMPT_TOKENS_BY_TIER = Gauge("ember:prompt_tokens_by_tier", "Prompt tokens of finished requests by where their KV "
-                              "came from: l1 (engine pool), l2 (site kvstore), computed", ["tier"])
+PROMPT_TOKENS_BY_TIER = Gauge("ember:prompt_tokens_by_tier", "Prompt tokens by where their KV came from: l1 (engine "
+                              "pool), l2 (site kvstore) at a request's first step, computed chunk by chunk", ["tier"])
+KV_BLOCKS = Gauge("ember:kv_cache_blocks", "Blocks of the paged KV pool referenced by sequences (used) and not (free)",
+                  ["state"])
+STEP_PREFILL = Gauge("ember:engine_step_prefill_tokens", "Prompt tokens the engine step in progress computes "
+                     "(0 between steps)")
+QUEUED_PREFILL = Gauge("ember:engine_queued_prefill_tokens", "Prompt tokens queued and running requests still need "
+                       "beyond the step in progress (a queued one's before its prefix-cache hits are known)")
+STEP_SECONDS = Gauge("ember:engine_step_running_seconds", "How long the engine step in progress has run (0 between "
+                     "steps)")
+STATE_AGE = Gauge("ember:engine_state_age_seconds", "Age of the engine core's latest state at scrape time (it "
+                  "publishes at least every 0.25 s, also during a long step)")
+# an engine service reads these off its core's snapshot instead (_EngineCounters: counted as the work is done)
 PREFIX_QUERIES = Counter("ember:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
 PREFIX_HITS = Counter("ember:prefix_cache_hits", "Prompt tokens found in the prefix cache")
 # kvstore (its counters live in BlockStore.stats and are read at scrape time)
@@ -95,13 +107,24 @@ class _WorkerCollector:
 
 
 class _EngineCounters:
-    """Counters kept by the engine core, read off its latest snapshot (the client watch_engine names)."""
+    """Counters kept by the engine core, read off its latest snapshot (the client watch_engine names).
+    Prompt, generation and prefix-cache tokens advance per step (a request's cached tokens at its first
+    step, computed ones per chunk, sampled ones per step), not when a request ends."""
     client = None
 
     def collect(self):
         if self.client is None:
             return
         snap = self.client.snapshot
+        cached = snap.tokens_l1 + snap.tokens_l2
+        yield CounterMetricFamily("ember:prompt_tokens", "Prompt tokens the engine has served: cached (at a "
+                                  "request's first step) and computed (per chunk)", value=cached + snap.tokens_computed)
+        yield CounterMetricFamily("ember:generation_tokens", "Tokens the engine has sampled (per step)",
+                                  value=snap.generation_tokens)
+        yield CounterMetricFamily("ember:prefix_cache_queries", "Tokens of requests looked up in the prefix cache "
+                                  "(at their first step)", value=snap.prefix_queries)
+        yield CounterMetricFamily("ember:prefix_cache_hits", "Of those, found cached (engine pool or site kvstore)",
+                                  value=cached)
         yield CounterMetricFamily("ember:spec_decode_num_draft_tokens", "Prompt-lookup drafts verified",
                                   value=snap.draft_tokens)
         yield CounterMetricFamily("ember:spec_decode_num_accepted_tokens", "Drafts kept (each a decode step saved)",
@@ -159,15 +182,26 @@ def watch_workers(pool) -> None:
 
 
 def watch_engine(client) -> None:
-    """Engine gauges from the latest snapshot the engine core sent (no round trip per scrape)."""
+    """Engine gauges from the latest snapshot the engine core sent (no round trip per scrape): the core
+    sends one at least every 0.25 s, during a long step too (ember.serving.engine_client.serve_loop), and
+    a request counts as waiting from its arrival here (EngineClient.current)."""
+    import time
     RUNNING.set_function(lambda: client.snapshot.running)
-    WAITING.set_function(lambda: client.snapshot.waiting)
+    WAITING.set_function(lambda: client.current().waiting)
     KV_USAGE.set_function(lambda: client.snapshot.used_blocks / max(1, client.snapshot.total_blocks))
+    KV_BLOCKS.labels("used").set_function(lambda: client.snapshot.used_blocks)
+    KV_BLOCKS.labels("free").set_function(lambda: client.snapshot.total_blocks - client.snapshot.used_blocks)
+    STEP_PREFILL.set_function(lambda: client.snapshot.step_prefill_tokens)
+    QUEUED_PREFILL.set_function(lambda: client.snapshot.queued_prefill_tokens)
+    STEP_SECONDS.set_function(lambda: time.monotonic() - s.step_since if (s := client.snapshot).step_since else 0.0)
+    STATE_AGE.set_function(lambda: time.monotonic() - s.at if (s := client.snapshot).at else 0.0)
     KV_CAPACITY.set_function(lambda: client.snapshot.total_blocks * client.info.block_size)
     CORE_PID.set_function(lambda: client.info.pid)
     for tier in ("l1", "l2", "computed"):
         PROMPT_TOKENS_BY_TIER.labels(tier).set_function(lambda t=tier: getattr(client.snapshot, f"tokens_{t}"))
     if _ENGINE_COUNTERS.client is None:
+        for counter in (PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_QUERIES, PREFIX_HITS):  # the core's, per step
+            REGISTRY.unregister(counter)
         REGISTRY.register(_ENGINE_COUNTERS)
     _ENGINE_COUNTERS.client = client
     _MEMORY.client = client

@@ -21,39 +21,69 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
 from ember.engine.outputs import RequestOutput
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.sequence import NO_TENANT, Tenant
 from ember.errors import InvalidRequestError
-from ember.serving.messages import MEMORY_REFRESH_S, AddRequest, CoreInfo, ErrorInfo, KVPlan, Snapshot
+from ember.serving.messages import MEMORY_REFRESH_S, PUBLISH_S, AddRequest, CoreInfo, ErrorInfo, KVPlan, Snapshot
 
 log = logging.getLogger("ember.engine")
 
 
 def serve_loop(core, receive: Callable[[float | None], list], emit: Callable[[list, Snapshot], None],
-               idle_timeout: float | None = None) -> None:
-    """Run `core` until a ("shutdown",) message: drain the inbox, turn, emit the events."""
-    while True:
-        timeout = 0.0 if core.has_work() else 0.002 if core.busy() else idle_timeout
-        if timeout is None or timeout > MEMORY_REFRESH_S:  # an idle core still refreshes its gauges
-            timeout = MEMORY_REFRESH_S
-        events = []
-        for message in receive(timeout):
-            kind = message[0]
-            if kind == "shutdown":
-                return
-            if kind == "add":
-                events.extend(core.add(message[1]))
-            elif kind == "abort":
-                core.abort(message[1])
-            elif kind == "stats":
-                events.append(("stats", message[1], core.stats()))
-        events.extend(core.turn())
-        if events or core.memory_due():
-            emit(events, core.snapshot())
+               idle_timeout: float | None = None, publish_s: float = PUBLISH_S) -> None:
+    """Run `core` until a ("shutdown",) message: drain the inbox, turn, emit the events.
+
+    A publisher thread sends the core's live state (`core.live_snapshot()`) whenever the loop has
+    sent nothing for `publish_s`: during a long step too, since it never waits for the step (it
+    reads the state the loop wrote before the step began; ctypes kernels and torch release the GIL).
+    `emit` is called under one lock from both threads."""
+    lock = threading.Lock()
+    last_sent = [time.monotonic()]
+    stop = threading.Event()
+
+    def send(events: list, snapshot: Snapshot) -> None:
+        with lock:
+            emit(events, snapshot)
+            last_sent[0] = time.monotonic()
+
+    def publish() -> None:
+        while not stop.wait(max(0.005, last_sent[0] + publish_s - time.monotonic())):
+            if time.monotonic() - last_sent[0] >= publish_s:
+                try:
+                    send([], core.live_snapshot())
+                except Exception:  # noqa: BLE001 - a gauge never takes the engine down
+                    log.exception("publishing the engine core's state failed")
+                    last_sent[0] = time.monotonic()
+    publisher = threading.Thread(target=publish, name="engine-publisher", daemon=True)
+    publisher.start()
+    try:
+        while True:
+            timeout = 0.0 if core.has_work() else 0.002 if core.busy() else idle_timeout
+            if timeout is None or timeout > MEMORY_REFRESH_S:  # an idle core still refreshes its gauges
+                timeout = MEMORY_REFRESH_S
+            events = []
+            for message in receive(timeout):
+                kind = message[0]
+                if kind == "shutdown":
+                    return
+                if kind == "add":
+                    events.extend(core.add(message[1]))
+                elif kind == "abort":
+                    core.abort(message[1])
+                elif kind == "stats":
+                    events.append(("stats", message[1], core.stats()))
+            events.extend(core.turn())
+            if events or core.memory_due():
+                send(events, core.snapshot())
+    finally:
+        stop.set()
+        publisher.join(timeout=5)
 
 
 class EngineClient:
@@ -68,6 +98,7 @@ class EngineClient:
         self._streams: dict[str, asyncio.Queue] = {}
         self._calls: dict[int, asyncio.Future] = {}
         self._call_ids = iter(range(1, 2**62))
+        self._adds_sent = 0  # requests sent to the core (the snapshot's `adds`: those it has taken in)
 
     # -- the interface ---------------------------------------------------------------------
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
@@ -88,6 +119,7 @@ class EngineClient:
         try:
             self._send(("add", AddRequest(request_id, list(prompt), params, list(output_prefix), plan, timeout_s,
                                           tracing.current_carrier(), cache_salt, shared_blocks, tenant)))
+            self._adds_sent += 1
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
@@ -100,6 +132,14 @@ class EngineClient:
             self._streams.pop(request_id, None)
             if not finished and self.alive:
                 self._send(("abort", request_id))
+
+    def current(self) -> Snapshot:
+        """The latest snapshot, its `waiting` counting the requests on their way to the core too: a
+        request counts as waiting from the moment it reaches this service, even while the core is busy
+        in a long step and has not read it yet."""
+        snapshot = self.snapshot
+        unseen = self._adds_sent - snapshot.adds
+        return replace(snapshot, waiting=snapshot.waiting + unseen) if unseen > 0 else snapshot
 
     async def stats(self) -> dict:
         self._require_alive()
@@ -125,7 +165,8 @@ class EngineClient:
 
     # -- delivery (on the event loop) -------------------------------------------------------------
     def _deliver(self, events: list, snapshot: Snapshot) -> None:
-        self.snapshot = snapshot
+        if snapshot.version >= self.snapshot.version:  # (the loop's and the publisher's may cross)
+            self.snapshot = snapshot
         for event in events:
             if event[0] == "out":
                 stream = self._streams.get(event[1].request_id)
@@ -197,6 +238,8 @@ class InProcessEngineClient(EngineClient):
     def close(self) -> None:
         self._inbox.put(("shutdown",))
         self._thread.join(timeout=10)
+        if self.engine.on_batch == self.core._on_batch:
+            self.engine.on_batch = None
         if self.core.connector is not None:
             self.core.connector.close()
         self.core.engine.close()

@@ -16,17 +16,23 @@ prefill and decode alike):
   request are dropped (their blocks stay cached, merely evictable): progress over reuse.
 - finish: the blocks the request computed leave for the site kvstore right then, before a
   later step could evict them (write-back), so a session's history outlives the pool.
+
+Live state: the loop writes what a service's gauges show (running, waiting, the step in progress
+and its prefill tokens, KV blocks, the counters) as one tuple, replaced whole before each step's
+model run and after each turn (`_publish`); `live_snapshot()` reads it from any thread, so the
+publisher thread of `serve_loop` can send it while a long step runs.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ember.engine.engine import LLMEngine
 from ember.engine.errors import CapacityError, IntegrityError, InvalidRequestError
 from ember.engine.outputs import KVStats, RequestOutput
+from ember.engine.scheduler import ScheduledBatch
 from ember.kv.block_hash import chain_hashes
 from ember.serving.messages import MEMORY_REFRESH_S, AddRequest, ErrorInfo, Snapshot
 
@@ -56,14 +62,18 @@ class _Live:
     in_store: set[bytes] = field(default_factory=set)  # of those, read from the site store (it holds them)
     streamed: int = 0  # leading full blocks sent on to its plan's stream_to so far
     stream_stores: list[tuple[concurrent.futures.Future, list[bytes]]] = field(default_factory=list)
+    counted: bool = False  # its cached tokens are in the tier counters (at its first step)
 
 
 @dataclass
 class TierCounters:
-    """Prompt tokens by where their KV came from (summed at each request's finish)."""
+    """Prompt tokens by where their KV came from, counted as the work is done: a request's cached
+    tokens (l1, l2) at its first step, computed ones chunk by chunk; tokens sampled step by step."""
     tokens_l1: int = 0
     tokens_l2: int = 0
     tokens_computed: int = 0
+    generation_tokens: int = 0
+    prefix_queries: int = 0  # tokens of requests at their first step (prompt and output prefix), looked up
     blocks_written_back: int = 0
     load_failures: int = 0
     holds_dropped: int = 0
@@ -80,11 +90,25 @@ class EngineCore:
     stores: list[tuple[concurrent.futures.Future, RequestOutput | None]] = field(default_factory=list)
     releases: list[tuple[str, concurrent.futures.Future]] = field(default_factory=list)
     tiers: TierCounters = field(default_factory=TierCounters)
+    adds: int = 0  # "add" messages taken in (refused ones too): a client counts those still on their way
     _memory: tuple[tuple[str, int], ...] = ()
     _memory_at: float = float("-inf")
+    # the live state (_publish): written by the loop only, read whole by any thread (live_snapshot)
+    _state: tuple = ()
+    _full: Snapshot = field(default_factory=Snapshot)  # the loop's latest full snapshot
+    _version: int = 0
+    _step_since: float = 0.0  # the step in progress: when it began (0.0: none), its prefill tokens
+    _step_prefill: int = 0
+    _step_prompt: int = 0  # of those, prompt tokens (counted as computed once the step is done)
+    _running_left: int = 0  # prompt tokens running sequences need beyond the step in progress
+
+    def __post_init__(self):
+        self.engine.on_batch = self._on_batch
+        self._publish()
 
     # -- messages ----------------------------------------------------------------------
     def add(self, request: AddRequest) -> list[tuple]:
+        self.adds += 1
         rid = request.request_id
         if rid in self.pending or rid in self.live:
             return [_error(rid, InvalidRequestError(f"request_id {rid!r} is already running"))]
@@ -143,13 +167,79 @@ class EngineCore:
                 "memory": dict(self.memory(fresh=True)), **vars(self.tiers)}
 
     def snapshot(self) -> Snapshot:
-        engine, bm = self.engine, self.engine.block_manager
-        t = self.tiers
-        return Snapshot(len(engine.scheduler.running), len(engine.scheduler.waiting) + len(self.pending),
-                        bm.num_used_blocks, bm.num_blocks, t.tokens_l1, t.tokens_l2, t.tokens_computed,
-                        engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens,
-                        engine.stats.num_forced_tokens, tuple(engine.expert_tokens()), engine.expert_ranks,
-                        tuple(engine.scheduler.choices.items()), self.memory())
+        """Everything the gauges show, from the loop (after a turn)."""
+        engine = self.engine
+        self._publish()
+        (version, running, waiting, adds, since, step_prefill, queued, used, l1, l2, computed, generated,
+         queries) = self._state
+        self._full = Snapshot(
+            running, waiting, used, engine.block_manager.num_blocks, l1, l2, computed,
+            engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens, engine.stats.num_forced_tokens,
+            tuple(engine.expert_tokens()), engine.expert_ranks, tuple(engine.scheduler.choices.items()),
+            self.memory(), version, time.monotonic(), adds, since, step_prefill, queued, generated, queries)
+        return self._full
+
+    def live_snapshot(self) -> Snapshot:
+        """The loop's latest snapshot with its live state as written since (a step may be running), as
+        of now: safe from any thread, it only reads two references the loop replaces whole."""
+        return self._live(self._full)
+
+    def _live(self, base: Snapshot) -> Snapshot:
+        (version, running, waiting, adds, since, step_prefill, queued, used, l1, l2, computed, generated,
+         queries) = self._state
+        return replace(base, version=version, at=time.monotonic(), running=running, waiting=waiting, adds=adds,
+                       step_since=since, step_prefill_tokens=step_prefill, queued_prefill_tokens=queued,
+                       used_blocks=used, tokens_l1=l1, tokens_l2=l2, tokens_computed=computed,
+                       generation_tokens=generated, prefix_queries=queries)
+
+    def _publish(self) -> None:
+        """Write the live state (the loop only: before a step's model run, after a turn). One tuple
+        replaced whole, so a reader on another thread sees a state as it was, never half of one."""
+        scheduler, t = self.engine.scheduler, self.tiers
+        queued = self._running_left if scheduler.running else 0
+        for pending in self.pending.values():
+            queued += len(pending.request.prompt_token_ids)
+        for seq in scheduler.waiting:  # (before their prefix-cache hits are known)
+            queued += seq.num_tokens - seq.num_computed_tokens
+        self._version += 1
+        self._state = (self._version, len(scheduler.running),
+                       len(scheduler.waiting) + len(self.pending), self.adds, self._step_since, self._step_prefill,
+                       queued, self.engine.block_manager.num_used_blocks, t.tokens_l1, t.tokens_l2,
+                       t.tokens_computed, t.generation_tokens, t.prefix_queries)
+
+    def _on_batch(self, batch: ScheduledBatch) -> None:
+        """A step's batch, scheduled, before the model runs it (LLMEngine.on_batch): what it computes
+        and from when go into the live state; a request's first step counts its cached tokens by tier.
+        Only the batch's prefill part is looked at (decoders come first): a decode step costs nothing here."""
+        seqs, news, t = batch.seqs, batch.num_new_tokens, self.tiers
+        step = prompt = left = 0
+        for i in range(batch.num_decodes, len(seqs)):
+            seq, n = seqs[i], news[i]
+            done = seq.num_computed_tokens
+            step += n
+            prompt += max(0, min(seq.prompt_len, done + n) - done)
+            left += seq.num_tokens - done - n
+            live = self.live.get(seq.request_id)
+            if live is not None and not live.counted:
+                live.counted = True
+                cached = seq.num_cached_tokens
+                from_l2 = min(live.kv.blocks_l2 * self.engine.config.block_size, cached)
+                t.tokens_l2 += from_l2
+                t.tokens_l1 += cached - from_l2
+                t.prefix_queries += seq.num_tokens
+        running = self.engine.scheduler.running
+        if len(running) > len(seqs):  # running sequences the step left out (its budget ran out)
+            scheduled = {id(s) for s in seqs}
+            left += sum(s.num_tokens - s.num_computed_tokens for s in running
+                        if id(s) not in scheduled and s.num_computed_tokens < s.prompt_len)
+        self._running_left, self._step_prefill, self._step_prompt = left, step, prompt
+        self._step_since = time.monotonic()
+        self._publish()
+
+    def _step_ended(self, done: bool) -> None:
+        if done:
+            self.tiers.tokens_computed += self._step_prompt
+        self._step_since, self._step_prefill, self._step_prompt = 0.0, 0, 0
 
     def memory_due(self) -> bool:
         return time.monotonic() - self._memory_at >= MEMORY_REFRESH_S
@@ -187,16 +277,22 @@ class EngineCore:
                 outputs = self.engine.step()
             except Exception as exc:  # noqa: BLE001 - fail the running requests, keep serving
                 log.exception("engine step failed")
+                self._step_ended(False)
                 for rid in list(self.live):
                     self.abort(rid)
                     events.append(_error(rid, exc))
+                self._publish()
                 return events
+            self._step_ended(True)
             if self.engine.stats.num_steps == steps:
                 self._break_hold_deadlock()
+            t = self.tiers
             for out in outputs:
+                t.generation_tokens += len(out.new_token_ids)
                 events.extend(self._on_output(out))
             self._stream_chunks()
             self._release_admitted()
+        self._publish()
         return events
 
     # -- internals -----------------------------------------------------------------------------
@@ -313,7 +409,6 @@ class EngineCore:
         if out.error is not None:  # its grammar failed mid-decode: an error for the caller, not a short answer
             return [_error(out.request_id, InvalidRequestError(f"the request's constraint failed while decoding: "
                                                                f"{out.error}"))]
-        self._count_tiers(out, live.kv)
         plan = live.request.plan
         if plan is None or plan.write_back == "none" or self.connector is None:
             return [("out", out)]
@@ -376,13 +471,6 @@ class EngineCore:
                                            trace_context=live.request.trace_context)
             live.stream_stores.append((future, fresh))
             live.streamed = full
-
-    def _count_tiers(self, out: RequestOutput, kv: KVStats) -> None:
-        bs = self.engine.config.block_size
-        from_l2 = min(kv.blocks_l2 * bs, out.cached_tokens)
-        self.tiers.tokens_l2 += from_l2
-        self.tiers.tokens_l1 += out.cached_tokens - from_l2
-        self.tiers.tokens_computed += out.prompt_tokens - out.cached_tokens
 
     def _release_admitted(self) -> None:
         for rid, live in self.live.items():

@@ -2,7 +2,8 @@
 
 Service -> core: ("add", AddRequest), ("abort", request_id), ("stats", call_id), ("shutdown",).
 Core -> service, one message per loop turn: (events, Snapshot), each event one of
-("out", RequestOutput), ("error", request_id, ErrorInfo), ("stats", call_id, dict).
+("out", RequestOutput), ("error", request_id, ErrorInfo), ("stats", call_id, dict); and ([], Snapshot)
+from the core's publisher thread at least every PUBLISH_S, also while a long step runs.
 """
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from ember.engine.sampling_params import SamplingParams
 from ember.engine.sequence import NO_TENANT, Tenant
 
 MEMORY_REFRESH_S = 5.0  # how old the memory report in an engine's snapshot gets (ember.engine.footprint)
+# How often the core's publisher thread sends its state when the loop sent none meanwhile (a long step):
+# a service's gauges are never older than about this (the issue's bound is 0.5 s).
+PUBLISH_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -72,14 +76,17 @@ class ErrorInfo:
 
 @dataclass(frozen=True)
 class Snapshot:
-    """Engine gauges after a loop turn (metrics read these without a round trip)."""
+    """Engine gauges (metrics read these without a round trip): sent after a loop turn, and by the
+    core's publisher thread at least every PUBLISH_S while the loop sends none (a long step). The
+    counters advance as the work is done: a request's cached prompt tokens at its first step, its
+    computed ones chunk by chunk, its generated tokens step by step."""
     running: int = 0
-    waiting: int = 0
+    waiting: int = 0  # admitted to the scheduler's queue or loading its KV (the client adds the adds on their way)
     used_blocks: int = 0
     total_blocks: int = 1
-    tokens_l1: int = 0  # prompt tokens served from the engine pool, since start
+    tokens_l1: int = 0  # prompt tokens served from the engine pool, since start (at a request's first step)
     tokens_l2: int = 0  # from the site kvstore
-    tokens_computed: int = 0
+    tokens_computed: int = 0  # prompt tokens run through the model, chunk by chunk (a recomputation counts again)
     draft_tokens: int = 0  # speculative drafts verified, since start
     accepted_tokens: int = 0  # of those, kept
     forced_tokens: int = 0  # appended by jump-forward decoding (grammar-forced), since start
@@ -87,6 +94,15 @@ class Snapshot:
     expert_ranks: tuple[int, ...] = ()  # the expert-parallel rank holding each expert
     step_choices: tuple[tuple[str, int], ...] = ()  # steps by the step policy's choice, since start
     memory: tuple[tuple[str, int], ...] = ()  # the core process's resident memory by part (ember.util.memory)
+    # the live part (EngineCore.live_snapshot): the loop writes it, the publisher thread only reads it
+    version: int = 0  # of the core's state: a client keeps the newest it has seen
+    at: float = 0.0  # time.monotonic() when the state was read (one clock for every process of the host)
+    adds: int = 0  # "add" messages the core has taken in, since start (the client counts those on their way)
+    step_since: float = 0.0  # time.monotonic() when the step in progress began; 0.0 between steps
+    step_prefill_tokens: int = 0  # prompt tokens the step in progress computes
+    queued_prefill_tokens: int = 0  # prompt tokens still to compute, not counting the step in progress's
+    generation_tokens: int = 0  # tokens sampled, since start (step by step)
+    prefix_queries: int = 0  # tokens of requests looked up in the prefix cache at their first step, since start
 
 
 @dataclass(frozen=True)

@@ -76,8 +76,6 @@ class DecodeService(decode_pb2_grpc.DecodeServicer):
                     msg.transfer_s = kv.transfer_s
                     msg.blocks_pulled, msg.bytes_pulled = kv.blocks_pulled, kv.bytes_pulled
                     msg.recomputed_tokens = max(0, len(prompt) + len(prefix) - out.cached_tokens)
-                    metrics.PREFIX_QUERIES.inc(len(prompt) + len(prefix))
-                    metrics.PREFIX_HITS.inc(out.cached_tokens)
                     tracing.annotate(prompt_tokens=len(prompt), blocks_in_pool=kv.blocks_l1,
                                      blocks_imported=kv.blocks_l2, blocks_pulled=kv.blocks_pulled,
                                      bytes_pulled=kv.bytes_pulled, transfer_s=kv.transfer_s,

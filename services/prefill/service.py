@@ -16,7 +16,7 @@ import grpc
 
 from ember.engine.detokenizer import streamed_text
 from ember.kv.block_hash import chain_hashes
-from ember.rpc import metrics, tracing, validate
+from ember.rpc import tracing, validate
 from ember.rpc.convert import logprobs_to_pb, tenant_of
 from ember.rpc.errors import RpcError, require_ready
 from ember.rpc.server import remaining
@@ -69,8 +69,6 @@ class PrefillService(prefill_pb2_grpc.PrefillServicer):
             log.info("aborted (%s) before the first token", reason)
             raise
         kv = final.kv
-        metrics.PREFIX_QUERIES.inc(len(prompt))
-        metrics.PREFIX_HITS.inc(final.cached_tokens)
         tracing.annotate(site=self.site, prompt_tokens=len(prompt), tokens_cached=final.cached_tokens,
                          tokens_computed=len(prompt) - final.cached_tokens, blocks_imported=kv.blocks_l2,
                          blocks_stored=kv.blocks_stored)
