@@ -96,7 +96,13 @@ def _generate_remote(args) -> int:
 
     from ember.client import RouterClient
     kwargs = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"text": args.prompt}
-    with RouterClient(args.router, api_key=args.api_key or os.environ.get("EMBER_API_KEY")) as client:
+    ca = args.ca or os.environ.get("EMBER_ROUTER_CA") or None
+    try:
+        client = RouterClient(args.router, api_key=args.api_key or os.environ.get("EMBER_API_KEY"), ca=ca)
+    except OSError as e:
+        print(f"error: --ca: cannot read {ca}: {e.strerror or e}", file=sys.stderr)
+        return 2
+    with client:
         try:
             for msg in client.stream(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                      top_k=args.top_k, seed=args.seed, stop=args.stop, **kwargs):
@@ -126,9 +132,15 @@ def cmd_up(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print("ember cluster up")
-    print(f"  gRPC (ember.v1.Router):  {config.router.listen}")
-    print("  OpenAI HTTP API:         " + (f"http://{config.router.http}/v1" if config.router.http else
+    from ember.cluster.launcher import router_ca
+    ca = router_ca(config, run_dir)
+    print(f"  gRPC (ember.v1.Router):  {config.router.listen}" + (" (TLS)" if ca else ""))
+    scheme = "https" if ca else "http"
+    print("  OpenAI HTTP API:         " + (f"{scheme}://{config.router.http}/v1" if config.router.http else
                                             "off (set router.http in the config)"))
+    if ca:
+        print(f"  clients trust this CA:   {ca}  (ember generate --ca FILE or EMBER_ROUTER_CA; "
+              "openai: http_client=openai.DefaultHttpxClient(verify=FILE); curl --cacert FILE)")
     print(f"  run directory:           {run_dir}  (logs, traces; `ember down` stops it)")
     tls = {"auto": f"mTLS, certificates made in {run_dir / 'certs'}", "files": "mTLS, mounted certificates",
            "plaintext": "PLAINTEXT (security.tls: plaintext)"}[config.security.tls]
@@ -237,7 +249,7 @@ BENCHES = {"engine": "engine_bench", "disagg": "disagg_bench", "kv": "kv_bench",
            "speculative": "speculative_bench", "decode": "decode_bench", "parallel": "parallel_bench",
            "gpu": "gpu_bench", "link": "link_bench", "streaming": "stream_bench", "moe": "moe_bench",
            "jumpforward": "jumpforward_bench", "tools": "tools_bench", "weights": "weights_bench",
-           "startup": "startup_bench"}
+           "startup": "startup_bench", "tls": "tls_bench"}
 
 
 def cmd_bench(args) -> int:
@@ -261,6 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--router", help="HOST:PORT of a running router; default: an in-process engine")
     g.add_argument("--api-key", help="the router's API key (with --router; default: $EMBER_API_KEY)")
+    g.add_argument("--ca", help="with --router: TLS to the router, trusting this CA file (router.tls; `ember up` "
+                                "prints it; default: $EMBER_ROUTER_CA, else plaintext)")
     _add_engine_args(g)
     g.set_defaults(func=cmd_generate)
 

@@ -145,7 +145,8 @@ def full_config(model_path: Path) -> dict:
                "decode_batch_tokens_per_s": 190, "max_batch": 8, "pool": "decode-heavy"}
     return {
         "model": str(model_path),
-        "router": {"listen": a(41000), "http": a(41001), "site": "west", "slo": {"ttft_s": 2.0, "tpot_s": 0.5}},
+        "router": {"listen": a(41000), "http": a(41001), "site": "west", "slo": {"ttft_s": 2.0, "tpot_s": 0.5},
+                   "reflection": True, "tls": {"cert": "router.crt", "key": "router.key", "ca": "router-ca.crt"}},
         "placement": {"policy": "ember", "prefill_site": "central", "decode_site": "west", "session_affinity": True,
                       "codec_saving": 0.2, "decode_heavy_ratio": 2.0, "pool_slack_ms": 5,
                       "default_output_tokens": 100, "kv_bytes_per_token": 30000, "emulate_links": True},
@@ -259,7 +260,7 @@ def test_the_package_list_covers_every_folder():
 
 def test_every_shipped_config_loads_and_only_an_explicit_one_is_plaintext():
     """Each file under configs/ validates; none runs plaintext (security.tls is auto unless a config
-    says otherwise), and local-secure.yaml also demands an API key."""
+    says otherwise), and local-secure.yaml also demands an API key and serves its public ports over TLS."""
     shipped = sorted((ROOT / "configs").glob("*.yaml"))
     assert len(shipped) >= 4
     for path in shipped:
@@ -267,6 +268,8 @@ def test_every_shipped_config_loads_and_only_an_explicit_one_is_plaintext():
         assert config.security.tls == "auto", path.name
     secure = load_config(ROOT / "configs" / "local-secure.yaml")
     assert secure.router.require_api_key and "tls: auto" in (ROOT / "configs" / "local-secure.yaml").read_text()
+    assert secure.router.tls == "auto" and all(load_config(path).router.tls is None for path in shipped
+                                                  if path.name != "local-secure.yaml")
 
 
 def test_plaintext_and_mounted_certificates_are_said_out_loud(tmp_path):

@@ -1,11 +1,15 @@
-"""API keys and tenants at a real cluster's public ports (one cluster for the module): 401 and
-UNAUTHENTICATED without a valid key, the official `openai` client and RouterClient with one,
-health open, tenants that never see each other's cache, and a declared shared prefix that they do
-share. Unit tests: tests/test_api_keys.py, tests/test_tenants.py."""
+"""API keys and tenants at a real cluster's public ports (one cluster for the module, started as
+configs/local-secure.yaml is: `router.tls: auto`, so every client here speaks TLS trusting the CA
+file `ember up` made): 401 and UNAUTHENTICATED without a valid key, the official `openai` client and
+RouterClient with one, health open, tenants that never see each other's cache, and a declared
+shared prefix that they do share; reflection needs a key like everything else, refusals are
+counted and no key reaches the router's log. Unit tests: tests/test_api_keys.py,
+tests/test_tenants.py, tests/test_cert_reload.py."""
 from __future__ import annotations
 
 import contextlib
 import json
+import ssl
 import time
 import urllib.error
 import urllib.request
@@ -16,7 +20,7 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from ember.client import RouterClient
+from ember.client import RouterClient, router_channel
 from ember.cluster.launcher import running
 from tests.cluster_fixture import write_config
 
@@ -38,25 +42,29 @@ def cluster(tmp_path_factory, model_path):
     path = run_dir / "cluster.yaml"
     (run_dir / "keys.yaml").write_text(yaml.safe_dump(KEYS))
     addr = write_config(path, overrides={"router": {"api_keys_file": "keys.yaml", "require_api_key": True,
-                                                    "shared_prefixes": [SYSTEM]}})
+                                                    "shared_prefixes": [SYSTEM], "tls": "auto"}})
     with contextlib.ExitStack() as stack:
         with pytest.MonkeyPatch.context() as env:  # the services read it at start-up; this process after
             env.setenv("EMBER_API_KEY", ENV_KEY)
             stack.enter_context(running(path, run_dir, timeout_s=240))
-        yield addr
+        yield addr | {"run_dir": run_dir, "ca": str(run_dir / "certs" / "ca.crt")}  # (the CA `ember up` prints)
 
 
 def client(cluster, key: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{cluster['router_http']}/v1", api_key=key, max_retries=0,
-                         timeout=TIMEOUT_S)
+    return openai.OpenAI(base_url=f"https://{cluster['router_http']}/v1", api_key=key, max_retries=0,
+                         timeout=TIMEOUT_S, http_client=openai.DefaultHttpxClient(verify=trust(cluster)))
+
+
+def trust(cluster) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=cluster["ca"])
 
 
 def http(cluster, method: str, path: str, body: dict | None = None, key: str | None = None) -> tuple[int, dict]:
     headers = {"Content-Type": "application/json"} | ({"Authorization": f"Bearer {key}"} if key else {})
-    request = urllib.request.Request(f"http://{cluster['router_http']}{path}", method=method, headers=headers,
+    request = urllib.request.Request(f"https://{cluster['router_http']}{path}", method=method, headers=headers,
                                      data=None if body is None else json.dumps(body).encode())
     try:
-        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S, context=trust(cluster)) as response:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
@@ -86,14 +94,14 @@ def test_http_without_a_valid_key_is_401_on_every_route(cluster, key):
 
 def test_health_needs_no_key(cluster):
     assert http(cluster, "GET", "/health") == (200, {"status": "ok"})
-    with grpc.insecure_channel(cluster["router"]) as ch:
+    with router_channel(cluster["router"], cluster["ca"]) as ch:
         status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=TIMEOUT_S).status
     assert status == health_pb2.HealthCheckResponse.SERVING
 
 
 @pytest.mark.parametrize("key", [None, "sk-wrong", BETA + "x"], ids=["no-key", "wrong-key", "longer-key"])
 def test_grpc_without_a_valid_key_is_unauthenticated(cluster, key):
-    with RouterClient(cluster["router"], api_key=key) as c:
+    with RouterClient(cluster["router"], api_key=key, ca=cluster["ca"]) as c:
         for call in (lambda: c.complete("Hi", max_tokens=2, timeout=TIMEOUT_S), lambda: c.models(timeout=TIMEOUT_S)):
             with pytest.raises(grpc.RpcError) as e:
                 call()
@@ -117,7 +125,7 @@ def test_the_openai_client_with_the_key(cluster):
 
 def test_grpc_with_the_key_and_the_environment_key(cluster):
     for key in (BETA, ENV_KEY):
-        with RouterClient(cluster["router"], api_key=key) as c:
+        with RouterClient(cluster["router"], api_key=key, ca=cluster["ca"]) as c:
             assert [m.id for m in c.models(timeout=TIMEOUT_S)] == [MODEL]
             out = c.complete("The capital of France is", max_tokens=3, timeout=TIMEOUT_S)
             assert out.final.finished and out.token_ids
@@ -126,11 +134,16 @@ def test_grpc_with_the_key_and_the_environment_key(cluster):
 def test_ember_generate_takes_the_key(cluster, capsys, monkeypatch):
     from ember.cli import main
     monkeypatch.delenv("EMBER_API_KEY", raising=False)
-    assert main(["generate", "--router", cluster["router"], "--max-tokens", "2", "Hello"]) == 2
+    monkeypatch.delenv("EMBER_ROUTER_CA", raising=False)
+    router = ["generate", "--router", cluster["router"], "--max-tokens", "2"]
+    assert main([*router, "--ca", cluster["ca"], "Hello"]) == 2
     assert "UNAUTHENTICATED" in capsys.readouterr().err
-    assert main(["generate", "--router", cluster["router"], "--api-key", ALPHA, "--max-tokens", "2", "Hello"]) == 0
+    assert main([*router, "--ca", cluster["ca"], "--api-key", ALPHA, "Hello"]) == 0
+    assert main([*router, "--api-key", ALPHA, "Hello"]) == 2, "a plaintext client is refused"
+    assert "UNAVAILABLE" in capsys.readouterr().err
+    monkeypatch.setenv("EMBER_ROUTER_CA", cluster["ca"])  # the CA from the environment
     monkeypatch.setenv("EMBER_API_KEY", BETA)
-    assert main(["generate", "--router", cluster["router"], "--max-tokens", "2", "Hello"]) == 0
+    assert main([*router, "Hello"]) == 0
     assert "completion tokens" in capsys.readouterr().err
 
 
@@ -141,7 +154,7 @@ PROMPT = ("Ledger of the Eastmere quay, spring season. The harbour master counte
 
 
 def grpc_complete(cluster, key, prompt, **kwargs):
-    with RouterClient(cluster["router"], api_key=key) as c:
+    with RouterClient(cluster["router"], api_key=key, ca=cluster["ca"]) as c:
         return c.complete(prompt, max_tokens=4, timeout=TIMEOUT_S, **kwargs)
 
 
@@ -199,3 +212,75 @@ def test_a_declared_shared_prefix_is_reused_across_tenants(cluster, model_path):
     assert chat(beta, "Which ship was the largest that year?")[0] == shared, "beta reuses the system prompt's KV"
     assert chat(beta, question)[0] == shared, "alpha's exact chat: only the shared blocks are beta's to reuse"
     assert chat(alpha, question)[0] >= prompt_tokens - 16, "alpha's own repeat hits all of it"
+
+
+# -- reflection, counted refusals, keys kept out of the log ----------------------------------------------
+def reflection_list(channel, key: str | None = None) -> list[str] | grpc.StatusCode:
+    """grpcurl's `list` (grpcio-reflection's client; grpcurl is not installable here): the services,
+    or the status the call ended with."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+    if key is None:  # (the database client sends no metadata)
+        try:
+            return sorted(ProtoReflectionDescriptorDatabase(channel).get_services())
+        except grpc.RpcError as e:
+            return e.code()
+    try:
+        [answer] = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=TIMEOUT_S,
+            metadata=(("authorization", f"Bearer {key}"),))
+    except grpc.RpcError as e:
+        return e.code()
+    return sorted(s.name for s in answer.list_services_response.service)
+
+
+def test_with_keys_reflection_needs_a_key_and_is_off_unless_configured(cluster, tmp_path):
+    """Keys configured, router.reflection unset: `list` without a key is UNAUTHENTICATED (never
+    UNKNOWN), with a key UNIMPLEMENTED (off); a router with `router.reflection: true` lists the
+    services to a caller with a key, and still refuses one without."""
+    from ember.cluster.chaos import Cluster
+    with router_channel(cluster["router"], cluster["ca"]) as ch:
+        assert reflection_list(ch) == grpc.StatusCode.UNAUTHENTICATED
+        assert reflection_list(ch, "sk-wrong") == grpc.StatusCode.UNAUTHENTICATED
+        assert reflection_list(ch, ALPHA) == grpc.StatusCode.UNIMPLEMENTED
+    (tmp_path / "keys.yaml").write_text(yaml.safe_dump(KEYS))  # (paths are relative to the second router's file)
+    with Cluster(cluster["run_dir"]).second_router(tmp_path, reflection=True, api_keys_file="keys.yaml",
+                                                   tls=None) as (router, _):
+        with grpc.insecure_channel(router["listen"]) as ch:
+            assert reflection_list(ch) == grpc.StatusCode.UNAUTHENTICATED
+            assert "ember.v1.Router" in reflection_list(ch, BETA)
+
+
+def test_refusals_are_counted_and_no_key_reaches_the_log(cluster):
+    from ember.cluster.status import scrape
+    services = json.loads((cluster["run_dir"] / "services.json").read_text())
+
+    def failures() -> dict[tuple[str, str], float]:
+        m = scrape(services["router"]["metrics"], 10)
+        return {(r, p): m.get(f'ember:auth_failures_total{{protocol="{p}",reason="{r}"}}', 0.0)
+                for r in ("missing_key", "malformed_header", "invalid_key") for p in ("grpc", "http")}
+    before = failures()
+    bogus = "sk-bogus-7d1e9f0c2b4a6e8d"
+    http(cluster, "GET", "/v1/models")
+    http(cluster, "GET", "/v1/models", key=bogus)
+    with RouterClient(cluster["router"], ca=cluster["ca"]) as c:
+        with pytest.raises(grpc.RpcError):
+            c.models(timeout=TIMEOUT_S)
+    with RouterClient(cluster["router"], api_key=bogus, ca=cluster["ca"]) as c:
+        with pytest.raises(grpc.RpcError):
+            c.complete("Hi", max_tokens=2, timeout=TIMEOUT_S)
+    with router_channel(cluster["router"], cluster["ca"]) as ch:
+        with pytest.raises(grpc.RpcError):
+            ch.unary_unary("/ember.v1.Router/ListModels")(b"", metadata=(("authorization", f"Basic {bogus}"),),
+                                                          timeout=TIMEOUT_S)
+    after = failures()
+    assert {k: after[k] - before[k] for k in after} == {
+        ("missing_key", "grpc"): 1, ("missing_key", "http"): 1, ("invalid_key", "grpc"): 1,
+        ("invalid_key", "http"): 1, ("malformed_header", "grpc"): 1, ("malformed_header", "http"): 0}
+    log = (cluster["run_dir"] / "router.log").read_text()
+    assert "missing_key" in log and "invalid_key" in log, "refusals are logged (by reason)"
+    written = {f.name: f.read_text(errors="replace") for f in cluster["run_dir"].iterdir()  # logs and spans
+               if f.suffix in (".log", ".jsonl")}
+    assert "router.log" in written and any(f.startswith("router-") for f in written)
+    for key in [bogus, "sk-wrong", ALPHA[:-1], BETA + "x", ENV_KEY, *KEYS]:  # every key any test here sent
+        assert not [name for name, text in written.items() if key in text], key

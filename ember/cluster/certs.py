@@ -7,6 +7,8 @@ Secret or a Compose volume mounts the same files):
     OUT/<service>/ca.crt tls.crt tls.key   e.g. OUT/kvstore-central/, OUT/router/
     OUT/<prefill|decode ...>/kv-mac.key    the KV frame MAC secret: KV producers only
     OUT/operator/                          for `ember status`, benchmarks and tests
+    OUT/router-public/ca.crt tls.crt tls.key  the router's public ports' server certificate
+                                           (router.tls: auto): clients trust OUT/ca.crt
 
 Each certificate names its service's role and site in a SAN URI (ember.rpc.security) and is
 valid for the host names and IPs of the service's addresses, plus localhost and its own name.
@@ -27,6 +29,7 @@ from ember.config.schema import ClusterConfig
 from ember.config.services import services
 from ember.rpc.security import Identity
 
+ROUTER_PUBLIC = "router-public"  # the folder of the router's public server certificate (router.tls: auto)
 VALID_DAYS = 30  # `ember up` makes fresh ones on every start; `ember certs --days` for mounted ones
 MAC_KEY_BYTES = 32
 KV_PRODUCERS = ("prefill", "decode")
@@ -107,6 +110,29 @@ class CertificateAuthority:
                 .sign(self.key, hashes.SHA256()))
         return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
 
+    def issue_server(self, name: str, addresses: list[str | None]) -> tuple[bytes, bytes]:
+        """(certificate PEM, key PEM) of a plain TLS server (the router's public ports): no cluster
+        identity, server use only, valid for the addresses' hosts plus localhost and 127.0.0.1."""
+        key = _key()
+        now = datetime.datetime.now(datetime.UTC)
+        cert = (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+                .issuer_name(self.cert.subject).public_key(key.public_key())
+                .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
+                .not_valid_after(now + datetime.timedelta(days=self.valid_days))
+                .add_extension(x509.SubjectAlternativeName(_hosts(list(addresses), "localhost")), critical=False)
+                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+                .sign(self.key, hashes.SHA256()))
+        return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
+
+    def write_server(self, folder: Path, name: str, addresses: list[str | None]) -> Path:
+        cert, key = self.issue_server(name, addresses)
+        _write(folder / "ca.crt", self.cert_pem)
+        _write(folder / "tls.key", key, private=True)  # the key first: a watcher never sees a new cert with the old key
+        _write(folder / "tls.crt", cert)
+        return folder
+
     def write_service(self, out: Path, name: str, identity: Identity | None, addresses: list[str | None] = (),
                       mac_key: bytes | None = None) -> Path:
         folder = out / name
@@ -140,4 +166,21 @@ def write_cluster_certs(config: ClusterConfig, out: str | Path, valid_days: int 
                          service_addresses(config, svc.role, svc.site, svc.address),
                          mac_key if svc.role in KV_PRODUCERS else None)
     ca.write_service(out, "operator", Identity("operator"))
+    if config.router.tls == "auto":
+        write_router_public(config, out, ca)
     return out
+
+
+def write_router_public(config: ClusterConfig, out: str | Path, ca: CertificateAuthority | None = None) -> Path:
+    """OUT/router-public: the router's public server certificate (router.tls: auto) for the hosts of
+    router.listen and router.http, from the CA in OUT (made there first when OUT has none: a cluster
+    whose internal hops are not `tls: auto`). Clients trust OUT/ca.crt. Returns the folder."""
+    out = Path(out)
+    if ca is None:
+        if (out / "ca.key").is_file():
+            ca = CertificateAuthority.load(out)
+        else:
+            ca = CertificateAuthority.create()
+            _write(out / "ca.crt", ca.cert_pem)
+            _write(out / "ca.key", _pem_key(ca.key), private=True)
+    return ca.write_server(out / ROUTER_PUBLIC, "ember router", [config.router.listen, config.router.http])

@@ -148,6 +148,13 @@ class SLOSection(Section):
                                                   "to fit it unless a prompt's TTFT is at risk")
 
 
+class RouterTLSFiles(Section):
+    cert: str = Field(description="the router's server certificate chain (PEM), relative to this file")
+    key: str = Field(description="its private key (PEM), relative to this file")
+    ca: str | None = Field(None, description="the CA file clients trust for it (`ember up` checks the router's "
+                                             "health with it and prints it); default: cert (self-signed)")
+
+
 class RouterSection(Section):
     listen: str = Field("127.0.0.1:50051", description="HOST:PORT of the public gRPC API")
     http: str | None = Field(None, description="HOST:PORT of the OpenAI-compatible HTTP API; unset: off")
@@ -168,12 +175,26 @@ class RouterSection(Section):
                                                         "`default`). Any key configured: every route but health "
                                                         "needs one")
     require_api_key: bool = Field(False, description="refuse to start when no API key is configured")
-    reflection: bool = Field(False, description="gRPC server reflection on the public port")
+    reflection: bool | None = Field(None, description="gRPC server reflection on the public port; unset: on "
+                                                      "when no API key is configured, off when keys are (then "
+                                                      "only callers with a key may use it)")
+    tls: Literal["auto"] | RouterTLSFiles | None = Field(
+        None, description="TLS on the public gRPC and HTTP ports; unset: plaintext; auto: `ember up` makes a server "
+                          "certificate from the cluster CA (RUN_DIR/certs/ca.crt is what clients trust); "
+                          "{cert, key[, ca]}: files, re-read on SIGHUP and when they change")
     shared_prefixes: list[str] = Field([], description="texts (system prompts) whose KV blocks every tenant "
                                                        "shares; every other block is salted per tenant")
     slo: SLOSection = SLOSection()
 
     _check = field_validator("listen", "http", "internal")(lambda cls, v: v if v is None else _address(v))
+
+    @field_validator("tls", mode="before")
+    @classmethod
+    def _tls(cls, v):
+        if isinstance(v, str) and v != "auto":
+            raise ValueError(f"{v!r}: say `auto` (a certificate `ember up` makes) or {{cert: FILE, key: FILE}}; "
+                             "omit it for plaintext")
+        return v
 
 
 class PlacementSection(Section):

@@ -85,9 +85,13 @@ class RouterSettings:
     internal: str = "127.0.0.1:50052"  # mTLS port of the in-memory directory
     api_keys_file: str | None = None   # absolute path (resolved against the config file)
     require_api_key: bool = False
-    reflection: bool = False
+    reflection: bool | None = None     # None: on unless API keys are configured
     shared_prefixes: tuple[str, ...] = ()
     redis: RedisSettings | None = None  # how it connects to the directory's Redis (None: no Redis)
+    tls: str | None = None             # the public ports: None (plaintext), "auto" (EMBER_ROUTER_TLS_DIR), "files"
+    tls_cert: str | None = None        # files: absolute paths (resolved against the config file)
+    tls_key: str | None = None
+    tls_ca: str | None = None          # the CA clients trust (default: the certificate itself)
 
 
 @dataclass(frozen=True)
@@ -193,7 +197,17 @@ def router_settings(config: ClusterConfig) -> RouterSettings:
     return RouterSettings(r.listen, r.http, r.site, r.max_inflight, r.retry_after_s, r.max_migrations,
                           r.stall_timeout_s, str(config.model_path()), config.directory.url, config.directory.ttl_s,
                           r.internal, keys, r.require_api_key, r.reflection, tuple(r.shared_prefixes),
-                          redis_settings(config, "router", "router"))
+                          redis_settings(config, "router", "router"), **router_tls(config))
+
+
+def router_tls(config: ClusterConfig) -> dict:
+    """RouterSettings' tls fields: router.tls's mode and, for files, their absolute paths."""
+    t = config.router.tls
+    if t is None or t == "auto":
+        return {"tls": t}
+    cert = str((config._base / t.cert).resolve())
+    return {"tls": "files", "tls_cert": cert, "tls_key": str((config._base / t.key).resolve()),
+            "tls_ca": cert if t.ca is None else str((config._base / t.ca).resolve())}
 
 
 def security_settings(config: ClusterConfig, service_name: str, env: dict | None = None) -> SecuritySettings:

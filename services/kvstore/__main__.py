@@ -11,7 +11,7 @@ from ember.config.services import kvstore_settings
 from ember.config.weights import weight_store_settings
 from ember.kv import bulk, transfer
 from ember.kv.shm import ArenaServer
-from ember.rpc import metrics, security
+from ember.rpc import cert_reload, metrics, security
 from ember.rpc.directory import open_directory
 from ember.rpc.server import Server, bind_address, run_service
 from ember.services.common import service_args
@@ -47,7 +47,7 @@ async def main(args) -> None:
     if s.data_listen:
         host, port = bind_address(s.data_listen).rsplit(":", 1)
         data_server = await transfer.serve(  # over mTLS, blocks stream only to the cluster's kvstores
-            host, int(port), store.pinned, tls=None if creds is None else creds.server_context(),
+            host, int(port), store.pinned, tls=None if creds is None else data_plane_tls(creds),
             authorize=lambda peercert: security.peer_has_role(peercert, {"kvstore"}))
     try:  # (rediss:// and the kvstores' ACL user when configured: ember.kv.redis_client)
         directory = open_directory(s.directory, s.directory_ttl_s, s.redis)
@@ -64,6 +64,15 @@ async def main(args) -> None:
         if arena is not None:
             arena.close()
     await server.run(on_stop=stop)
+
+
+def data_plane_tls(creds: security.Credentials):
+    """The data plane's server context: the service's folder, re-read for new connections when it
+    changes (ember.rpc.cert_reload; the CA too), with the data plane's TLS 1.2 suite."""
+    folder = creds.folder
+    return cert_reload.watch(cert_reload.CertSource(
+        folder / "tls.crt", folder / "tls.key", folder / "ca.crt", name=f"{creds.identity} data plane",
+        client_auth=True, tls12_data_plane=True)).ssl_context()
 
 
 if __name__ == "__main__":

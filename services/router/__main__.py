@@ -15,6 +15,8 @@ from ember.rpc.directory import DirectoryService
 from ember.rpc.server import Server, run_service
 from ember.services.common import service_args
 from ember.services.router import auth, openai_http
+from ember.services.router.public_auth import ApiKeyInterceptor
+from ember.services.router.public_tls import source as tls_source
 from ember.services.router.service import RouterService
 from ember.services.router.shared_view import SharedWorkerView
 from ember.services.router.tenants import SharedPrefixes
@@ -26,6 +28,10 @@ async def main(args) -> None:
     config, s = args.cluster, router_settings(args.cluster)
     try:  # API keys: the keys file, plus EMBER_API_KEY (tenant `default`), read here once
         keys = auth.load(s.api_keys_file, os.environ.get("EMBER_API_KEY"))
+    except ValueError as e:
+        raise SystemExit(f"router: {e}") from None
+    try:  # the public ports' certificate (router.tls), before anything starts
+        public_tls = tls_source(s)
     except ValueError as e:
         raise SystemExit(f"router: {e}") from None
     if s.require_api_key and not keys.enabled:
@@ -49,13 +55,16 @@ async def main(args) -> None:
         max_inflight=s.max_inflight, max_migrations=s.max_migrations, retry_after_s=s.retry_after_s,
         stall_timeout_s=s.stall_timeout_s, keys=keys,
         shared_prefixes=SharedPrefixes(tokenizer, s.shared_prefixes, model.kv_layout.block_size))
-    # the public API in plaintext (API keys); cluster services reach the directory on the mTLS port
+    # the public API over TLS (router.tls) or plaintext, API keys on every call but health (reflection
+    # included: on by default only without keys); cluster services reach the directory on the mTLS port
     server = Server(s.listen, [router_pb2.DESCRIPTOR.services_by_name["Router"].full_name], public=True,
-                    reflection_on=s.reflection, internal=None if s.directory else s.internal)
+                    reflection_on=not keys.enabled if s.reflection is None else s.reflection,
+                    internal=None if s.directory else s.internal, public_tls=public_tls,
+                    interceptors=[ApiKeyInterceptor(keys)])
     router_pb2_grpc.add_RouterServicer_to_server(service, server.server)
     if isinstance(directory, MemoryDirectory):
         directory_pb2_grpc.add_BlockDirectoryServicer_to_server(DirectoryService(directory), server.server)
-    http = await openai_http.serve(service, s.http) if s.http else None
+    http = await openai_http.serve(service, s.http, public_tls) if s.http else None
     metrics.watch_workers(workers)
     metrics.serve(args.metrics_listen)
     workers.start()
