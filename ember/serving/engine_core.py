@@ -104,7 +104,7 @@ class EngineCore:
 
     def __post_init__(self):
         self.engine.on_batch = self._on_batch
-        self._publish()
+        self.snapshot()  # (a full one: the publisher thread's base from the start, KV capacity and memory too)
 
     # -- messages ----------------------------------------------------------------------
     def add(self, request: AddRequest) -> list[tuple]:
