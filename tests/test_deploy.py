@@ -23,7 +23,8 @@ CLUSTER_YAML = ROOT / "deploy" / "cluster.yaml"
 MOUNTED = "/etc/ember/cluster.yaml"
 # Every non-Ember container, with its pinned image: nothing is skipped unexamined.
 INFRA_IMAGES = {"redis": "redis:7.0", "otel-collector": "otel/opentelemetry-collector:0.114.0",
-                "jaeger": "jaegertracing/all-in-one:1.63.0", "prometheus": "prom/prometheus:v2.55.1"}
+                "jaeger": "jaegertracing/all-in-one:1.63.0", "prometheus": "prom/prometheus:v2.55.1",
+                "grafana": "grafana/grafana:11.3.1"}
 ONE_SHOT = {"certs"}  # Compose's job that writes every service's certificate folder before they start
 TLS_ROOT = "/etc/ember/tls"  # each service mounts only its own folder, TLS_ROOT/<name>
 
