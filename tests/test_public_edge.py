@@ -34,6 +34,7 @@ from tests.cluster_fixture import AT_ONCE_S, wait_until
 pytestmark = pytest.mark.slow
 TIMEOUT_S = 120
 CHAT = [{"role": "user", "content": "Name three colours."}]
+STREAM_TOKENS = 200
 
 
 def reflected_router(channel: grpc.Channel) -> tuple[list[str], list[str]]:
@@ -171,7 +172,8 @@ def test_rotation_on_sighup_keeps_a_running_stream(tls_router):
     def stream():
         try:
             with RouterClient(tls_router.settings["listen"], ca=old_ca) as c:
-                for m in c.stream(messages=CHAT, max_tokens=160, ignore_eos=True, timeout=TIMEOUT_S):
+                for m in c.stream(messages=CHAT, max_tokens=STREAM_TOKENS, ignore_eos=True, speculative=False,
+                                  timeout=TIMEOUT_S):  # (one token a step: it runs for seconds)
                     arrivals.extend(time.monotonic() for _ in m.token_ids)
                     if m.finished:
                         done["final"] = m
@@ -195,7 +197,7 @@ def test_rotation_on_sighup_keeps_a_running_stream(tls_router):
         tls_router.openai(old_ca).models.list()
     thread.join(TIMEOUT_S)
     assert "error" not in done, done.get("error")
-    assert done["final"].finished and done["final"].usage.completion_tokens == 160 == len(arrivals)
+    assert done["final"].finished and done["final"].usage.completion_tokens == STREAM_TOKENS == len(arrivals)
     assert arrivals[-1] > rotated_at, "the stream was still running when the certificates changed"
     assert tls_router.proc.poll() is None, "SIGHUP did not stop the router"
     assert [m.id for m in tls_router.openai(tls_router.ca).models.list().data], "new clients trust the new CA"
