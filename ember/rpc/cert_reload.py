@@ -61,8 +61,8 @@ class CertSource:
         self._failed: tuple = ()
         self._context: ssl.SSLContext | None = None
         self._current_context: ssl.SSLContext | None = None
-        self.cert_pem = self.key_pem = b""
-        self.ca_pem: bytes | None = None
+        # (certificate, key, CA) PEM, replaced whole: gRPC's fetcher reads it from its own thread
+        self.material: tuple[bytes, bytes, bytes | None] = (b"", b"", None)
         if not self.check(force=True):
             raise ValueError(f"{self.name}: {self.error}")
 
@@ -86,10 +86,10 @@ class CertSource:
                 log.error("%s: new certificate files not taken (the old ones stay in use): %s", self.name, self.error)
             self._failed = stamps
             return False
-        if self.generation and (cert_pem, key_pem, ca_pem) == (self.cert_pem, self.key_pem, self.ca_pem):
+        if self.generation and (cert_pem, key_pem, ca_pem) == self.material:
             self._stamps = stamps  # touched, not changed
             return False
-        self.cert_pem, self.key_pem, self.ca_pem, self._stamps = cert_pem, key_pem, ca_pem, stamps
+        self.material, self._stamps = (cert_pem, key_pem, ca_pem), stamps
         self._current_context = context
         self.generation += 1
         if self.generation > 1:
@@ -104,8 +104,9 @@ class CertSource:
 
     # -- gRPC -------------------------------------------------------------------------------------
     def _grpc_config(self):
-        return grpc.ssl_server_certificate_configuration([(self.key_pem, self.cert_pem)],
-                                                         root_certificates=self.ca_pem if self.client_auth else None)
+        cert_pem, key_pem, ca_pem = self.material
+        return grpc.ssl_server_certificate_configuration([(key_pem, cert_pem)],
+                                                         root_certificates=ca_pem if self.client_auth else None)
 
     def grpc_credentials(self) -> grpc.ServerCredentials:
         served = [self.generation]
@@ -119,6 +120,10 @@ class CertSource:
                                                    require_client_authentication=self.client_auth)
 
     # -- ssl (asyncio, aiohttp) ---------------------------------------------------------------------
+    @property
+    def cert_pem(self) -> bytes:
+        return self.material[0]
+
     def _build(self, cert_pem: bytes, key_pem: bytes, ca_pem: bytes | None) -> ssl.SSLContext:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         if self.tls12_data_plane:
@@ -144,7 +149,7 @@ class CertSource:
     def ssl_context(self) -> ssl.SSLContext:
         """A server context that hands each new connection the current files' context."""
         if self._context is None:
-            base = self._build(self.cert_pem, self.key_pem, self.ca_pem)
+            base = self._build(*self.material)
 
             def switch(sslobj, server_name, _ctx):
                 if self._current_context is not None and sslobj.context is not self._current_context:
