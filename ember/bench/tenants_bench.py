@@ -69,14 +69,20 @@ async def _stream(channel, tenant: str, prompt: list[int], max_tokens: int, retr
     metadata = (("authorization", f"Bearer {KEYS[tenant]}"),)
     refused = 0
     while True:
-        start, first, tokens = time.perf_counter(), None, 0
+        start, first, tokens, final = time.perf_counter(), None, 0, None
         try:
             async for m in router_pb2_grpc.RouterStub(channel).Generate(request, metadata=metadata, timeout=600):
                 if m.token_ids and first is None:
                     first = time.perf_counter() - start
                 tokens += len(m.token_ids)
+                final = m
+            p, t = final.placement, final.timings
             return {"ok": True, "ttft_s": first, "tokens": tokens, "refused": refused,
-                    "e2e_s": time.perf_counter() - start}
+                    "e2e_s": time.perf_counter() - start,
+                    "server": {"ttft_s": round(t.ttft_s, 4), "prefill_s": round(t.prefill_s, 4),
+                               "transfer_s": round(t.transfer_s, 4), "prefill_site": p.prefill_site,
+                               "decode_site": p.decode_site, "reason": p.reason[:120],
+                               "estimated_queue_s": round(p.estimated_queue_s, 4)}}
         except grpc.aio.AioRpcError as e:
             if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or not retry:
                 return {"ok": False, "code": e.code().name, "details": e.details(), "refused": refused}
@@ -139,22 +145,26 @@ def _sample(samples: dict[str, float], name: str, **labels) -> float:
 
 def quota_check(http: str, prompt_text_tokens: list[int], tok) -> dict:
     """Q's requests over HTTP: the second refused 429 with Retry-After; honoured, the third succeeds."""
-    import httpx
-    body = {"model": "", "prompt": tok.decode(prompt_text_tokens), "max_tokens": 1}
-    headers = {"Authorization": f"Bearer {KEYS['Q']}"}
-    out: dict = {}
-    with httpx.Client(base_url=f"http://{http}", headers=headers, timeout=120) as client:
-        body["model"] = client.get("/v1/models").json()["data"][0]["id"]
-        first = client.post("/v1/completions", json=body)
-        second = client.post("/v1/completions", json=body)
-        out |= {"first_status": first.status_code, "second_status": second.status_code,
-                "retry_after_s": second.headers.get("Retry-After"),
-                "second_error_code": (second.json().get("error") or {}).get("code") if second.status_code != 200
-                else None}
-        if second.status_code == 429 and second.headers.get("Retry-After"):
-            time.sleep(float(second.headers["Retry-After"]))  # honoured, as a client would
-            third = client.post("/v1/completions", json=body)
-            out["after_retry_status"] = third.status_code
+    import urllib.error
+    import urllib.request
+    headers = {"Authorization": f"Bearer {KEYS['Q']}", "Content-Type": "application/json"}
+
+    def call(method: str, path: str, body: dict | None = None) -> tuple[int, dict, dict]:
+        request = urllib.request.Request(f"http://{http}{path}", method=method, headers=headers,
+                                         data=None if body is None else json.dumps(body).encode())
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, dict(response.headers), json.loads(response.read())
+        except urllib.error.HTTPError as e:
+            return e.code, dict(e.headers), json.loads(e.read() or b"{}")
+    model = call("GET", "/v1/models")[2]["data"][0]["id"]
+    body = {"model": model, "prompt": tok.decode(prompt_text_tokens), "max_tokens": 1}
+    first, second = call("POST", "/v1/completions", body), call("POST", "/v1/completions", body)
+    out = {"first_status": first[0], "second_status": second[0], "retry_after_s": second[1].get("Retry-After"),
+           "second_error_code": (second[2].get("error") or {}).get("code")}
+    if second[0] == 429 and second[1].get("Retry-After"):
+        time.sleep(float(second[1]["Retry-After"]))  # honoured, as a client would
+        out["after_retry_status"] = call("POST", "/v1/completions", body)[0]
     return out
 
 
@@ -189,6 +199,8 @@ def measure(router: str, http: str, metrics: str, tok, clients: int, a_tokens: i
         "clients": clients, "a_tokens": a_tokens, "b_requests": b_requests, "b_tokens": b_tokens,
         "b_alone_ttft_s": [round(r["ttft_s"], 4) for r in alone if r["ok"]],
         "b_loaded_ttft_s": [round(r["ttft_s"], 4) for r in b if r["ok"]],
+        "b_alone_server": [r["server"] for r in alone if r["ok"]],
+        "b_loaded_server": [r["server"] for r in b if r["ok"]],
         "b_alone_ttft_p50_s": round(alone_p50, 4) if alone_p50 else None,
         "b_loaded_ttft_p50_s": round(loaded_p50, 4) if loaded_p50 else None,
         "b_ttft_p50_ratio": round(loaded_p50 / alone_p50, 3) if alone_p50 and loaded_p50 else None,
