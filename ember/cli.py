@@ -188,6 +188,22 @@ def cmd_status(args) -> int:
     return 0
 
 
+def cmd_trace(args) -> int:
+    from ember.cluster.launcher import default_run_dir
+    from ember.cluster.traces import render_request
+    run_dir = Path(args.run_dir or default_run_dir())
+    if not run_dir.is_dir():
+        print(f"no run directory {run_dir} (start a cluster with `ember up`, or name one with --run-dir)",
+              file=sys.stderr)
+        return 1
+    try:
+        print(render_request(run_dir, args.request_id, all_attributes=args.all))
+    except LookupError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _folder_uid(value: str) -> tuple[str, int]:
     folder, _, uid = value.partition("=")
     if not folder or "/" in folder or not uid.isdigit():
@@ -344,6 +360,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     from ember.placement.cli import add_commands
     add_commands(sub)
+    # `ember trace REQUEST_ID`: one request's spans; `ember trace --config --output` (ember.placement.cli's)
+    # writes an agentic workload trace
+    tr = sub.choices["trace"]
+    tr.add_argument("request_id", nargs="?", metavar="REQUEST_ID",
+                    help="print this request's spans as a tree (its final message's request_id), from the "
+                         "local cluster's run directory")
+    tr.add_argument("--run-dir", help=run_dir_help)
+    tr.add_argument("--all", action="store_true",
+                    help="REQUEST_ID: every attribute of each span, not only the key ones")
+    workload = tr.get_default("func")
+    tr.set_defaults(func=lambda args: cmd_trace(args) if args.request_id else workload(args))
     return parser
 
 

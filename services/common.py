@@ -80,7 +80,7 @@ def spawn_core(role: str, args) -> None:
         raise SystemExit(f"error: {e}") from e
     s = args.engine_settings
     args.core = SubprocessEngineClient.spawn(s.engine, kvstore=s.kvstore, use_shm=s.shared_memory,
-                                             routes=parse_routes(args.route))
+                                             routes=parse_routes(args.route), trace_service=role)
 
 
 async def serve_engine_service(role: str, service_name: str, service, add_to_server, args) -> None:

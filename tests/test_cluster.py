@@ -377,7 +377,12 @@ def test_one_request_is_one_trace_across_all_four_services(client, cluster, engi
     assert len(out.token_ids) == 4
 
     [root] = wait_until(lambda: request_spans(run_dir, "traced-1", "router"), 10, "the router's span exported")
-    trace = traces.trace(run_dir, root["trace_id"])
+
+    def whole():  # (decode's write-back of its answer may still be finishing: its spans land last)
+        spans = traces.trace(run_dir, root["trace_id"])
+        ids = {s["span_id"] for s in spans}
+        return spans if all(s["parent_id"] in ids for s in spans if s["span_id"] != root["span_id"]) else None
+    trace = wait_until(whole, AT_ONCE_S, "every span of the trace exported")
     services = {s["service"] for s in trace}
     assert {"router", "prefill", "kvstore-central", "kvstore-edge", "decode"} <= services, services
     by_id = {s["span_id"]: s for s in trace}
@@ -402,6 +407,118 @@ def test_one_request_is_one_trace_across_all_four_services(client, cluster, engi
     decode = decode_span["attributes"]
     assert decode["ember.completion_tokens"] == 4 and decode["ember.tpot_s"] > 0
     assert root["attributes"]["ember.completion_tokens"] == 4
+
+
+def test_ember_trace_prints_the_disaggregated_request_span_by_span(client, cluster, engine):
+    """`ember trace REQUEST_ID` on a request prefilled at central and decoded at edge: one trace holding
+    the router, prefill (its queue wait, each chunk, the KV write to its site store), the edge kvstore's
+    pull of the blocks from central (bytes, link) and decode (import, admission, its decode phase as
+    one span with its step count), the engine cores' spans joined through the carried context."""
+    import subprocess
+    import uuid
+
+    from ember.engine.config import EngineConfig
+    run_dir = Path(cluster["run_dir"])
+    rid = f"traced-tree-{uuid.uuid4().hex[:8]}"
+    # uncached (a fresh prefix) and longer than a step's token budget (1024): two prefill chunks at least
+    ids = engine.tokenizer.encode(f"Trace {rid}: " + LONG_TEXT)[:1400]
+    assert len(ids) > EngineConfig.model_fields["max_num_batched_tokens"].default  # (the cluster's step budget)
+    out = client.complete(token_ids=ids, max_tokens=8, ignore_eos=True, request_id=rid, timeout=180)
+    assert len(out.token_ids) == 8 and out.final.placement.decode_site == "edge"
+
+    def landed():  # every span written (the cores' too), none waiting for its parent's
+        found = traces.request_traces(run_dir, rid)
+        if len(found) != 1:
+            return None
+        [spans] = found.values()
+        names = {(s["service"], s["name"]) for s in spans}
+        ids_ = {s["span_id"] for s in spans}
+        wanted = {("router", "/ember.v1.Router/Generate"), ("prefill", "engine.prefill_chunk"),
+                  ("prefill", "kv.store"), ("kvstore-edge", "kv.pull"), ("decode", "kv.import"),
+                  ("decode", "engine.decode"), ("kvstore-central", "/ember.v1.KVStoreBulk/Put")}
+        if wanted <= names and all(s["parent_id"] in ids_ for s in spans if s["name"] != "/ember.v1.Router/Generate"):
+            return spans
+        return None
+    spans = wait_until(landed, AT_ONCE_S, f"the spans of {rid} exported")
+    by_id = {s["span_id"]: s for s in spans}
+
+    def one(service: str, name: str, kind: str = "INTERNAL") -> dict:
+        [span] = [s for s in spans if (s["service"], s["name"], s["kind"]) == (service, name, kind)]
+        return span
+
+    def under(span: dict, ancestor: dict) -> bool:
+        while span["parent_id"] is not None:
+            span = by_id[span["parent_id"]]
+            if span is ancestor:
+                return True
+        return False
+    root = one("router", "/ember.v1.Router/Generate", "SERVER")
+    prefill = one("prefill", "/ember.v1.Prefill/Prefill", "SERVER")
+    decode = one("decode", "/ember.v1.Decode/Decode", "SERVER")
+    assert under(prefill, root) and under(decode, root)
+    # prefill: queued, then its chunks (all its prompt, computed), then its blocks written to its site store
+    queue = one("prefill", "engine.queue")
+    assert queue["process"] == "engine-core" and queue["parent_id"] == prefill["span_id"]
+    assert queue["attributes"]["ember.queue_wait_s"] >= 0
+    chunks = sorted((s for s in spans if s["name"] == "engine.prefill_chunk" and s["service"] == "prefill"),
+                    key=lambda s: s["attributes"]["ember.chunk"])
+    assert len(chunks) >= 2 and all(c["parent_id"] == prefill["span_id"] for c in chunks)
+    assert sum(c["attributes"]["ember.tokens"] for c in chunks) == len(ids)
+    assert chunks[-1]["attributes"]["ember.prompt_tokens_done"] == len(ids)
+    store = one("prefill", "kv.store")
+    assert under(store, prefill) and store["attributes"]["ember.blocks"] == len(ids) // 16
+    assert store["attributes"]["ember.bytes"] > 0 and store["attributes"]["ember.blocks_stored"] == len(ids) // 16
+    assert under(one("kvstore-central", "/ember.v1.KVStoreBulk/Put", "SERVER"), store)
+    # the edge kvstore pulls the blocks from central, inside decode's load
+    load = one("decode", "kv.load")
+    assert load["parent_id"] == decode["span_id"] and load["process"] == "engine-core"
+    pull = one("kvstore-edge", "kv.pull")
+    assert under(pull, one("kvstore-edge", "/ember.v1.KVStore/Pull", "SERVER")) and under(pull, load)
+    a = pull["attributes"]
+    assert a["ember.link"] == "central -> edge" and a["ember.source_site"] == "central"
+    assert a["ember.source"] == cluster["kv_central"] and a["ember.blocks"] == len(ids) // 16
+    assert a["ember.bytes"] > 0 and a["ember.bytes"] == load["attributes"]["ember.bytes_pulled"]
+    assert a["ember.via"] in ("data plane", "grpc")
+    imported = one("decode", "kv.import")
+    assert imported["attributes"]["ember.blocks"] == len(ids) // 16 and imported["attributes"]["ember.bytes"] > 0
+    admitted = one("decode", "engine.queue")
+    assert imported["start_ns"] <= admitted["start_ns"] and "ember.queue_wait_s" in admitted["attributes"]
+    steps = one("decode", "engine.decode")  # one span for the whole decode phase, not one per step
+    assert steps["parent_id"] == decode["span_id"] and steps["attributes"]["ember.tokens"] == 8
+    assert 1 <= steps["attributes"]["ember.steps"] <= 7 and steps["attributes"]["ember.step_s_max"] > 0
+
+    cli = subprocess.run([sys.executable, "-m", "ember.cli", "trace", rid, "--run-dir", str(run_dir)],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode == 0, cli.stderr
+    print(cli.stdout)
+    lines = cli.stdout.splitlines()
+    assert lines[0].startswith(f"trace {root['trace_id']}  request {rid}") and sum(
+        line.startswith("trace ") for line in lines) == 1, "one trace, the router's"
+
+    def line_of(text: str) -> tuple[int, str]:
+        [found] = [(i, line) for i, line in enumerate(lines) if text in line]
+        return found
+
+    def depth(line: str) -> int:
+        body = line.split(" ms  ", 1)[1]
+        return (len(body) - len(body.lstrip(" "))) // 2
+    _, router_line = line_of("router: /ember.v1.Router/Generate [server]")
+    i, prefill_line = line_of("prefill: /ember.v1.Prefill/Prefill [server]")
+    _, queue_line = line_of("prefill/core: engine.queue")
+    chunk_lines = [line for line in lines if "prefill/core: engine.prefill_chunk" in line]
+    _, pull_line = line_of("kvstore-edge: kv.pull")
+    _, steps_line = line_of("decode/core: engine.decode")
+    assert depth(router_line) == 0 and depth(prefill_line) == 2 and depth(queue_line) == 3
+    assert len(chunk_lines) == len(chunks) and all(depth(c) == 3 and "tokens=" in c for c in chunk_lines)
+    assert "queue_wait_s=" in queue_line and f"blocks={len(ids) // 16}" in line_of("prefill/core: kv.store")[1]
+    assert "link=central -> edge" in pull_line and f"bytes={a['ember.bytes']}" in pull_line
+    assert f"bytes_pulled={a['ember.bytes']}" in line_of("decode/core: kv.load")[1]
+    assert "decode/core: kv.import" in cli.stdout and "decode/core: engine.queue" in cli.stdout
+    assert f"steps={steps['attributes']['ember.steps']}" in steps_line and "tokens=8" in steps_line
+
+    unknown = subprocess.run([sys.executable, "-m", "ember.cli", "trace", "no-such-request", "--run-dir", str(run_dir)],
+                             capture_output=True, text=True, timeout=60)
+    assert unknown.returncode == 1 and "no span" in unknown.stderr and "no-such-request" in unknown.stderr
 
 
 def test_metrics_move_with_a_request(client, cluster, engine):

@@ -56,6 +56,10 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 def cmd_trace(args) -> int:
+    if not (args.config and args.output):
+        print("error: ember trace needs a REQUEST_ID (its spans), or --config and --output (an agentic "
+              "workload trace)", file=sys.stderr)
+        return 2
     from ember.config.load import load_config
     from ember.placement import trace
     from ember.placement.examples import region_weights
@@ -235,9 +239,11 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--central", type=int, default=3, help="example: central GPU regions")
     c.set_defaults(func=cmd_config)
 
-    t = sub.add_parser("trace", help="generate an agentic trace (JSON lines) over a config's user regions")
-    t.add_argument("--config", required=True)
-    t.add_argument("--output", required=True)
+    t = sub.add_parser("trace", help="`ember trace REQUEST_ID`: one request's spans as a tree (ember.cli); "
+                                     "`ember trace --config C --output O`: generate an agentic trace (JSON lines) "
+                                     "over a config's user regions")
+    t.add_argument("--config", help="the workload's config (with --output)")
+    t.add_argument("--output", help="the workload trace to write (with --config)")
     t.add_argument("--sessions-per-s", type=float, default=2.0)
     t.add_argument("--duration-s", type=float, default=1800.0)
     t.add_argument("--seed", type=int, default=0)

@@ -74,10 +74,16 @@ class KVConnector:
     async def _open(address: str, use_shm: bool, mac_key: bytes | None) -> SiteKV:
         return SiteKV(channel(address), use_shm, mac_key)
 
-    def _submit(self, coro, trace_context: dict[str, str] | None = None) -> concurrent.futures.Future:
+    def _submit(self, coro, trace_context: dict[str, str] | None = None, span: str | None = None,
+                **attributes) -> concurrent.futures.Future:
+        """Run `coro` on the connector's loop; with a request's `trace_context`, inside a `span` of its
+        trace (`ember.` `attributes`; the coroutine adds its own with tracing.annotate)."""
         async def traced():
             with tracing.carried(trace_context):  # the kvstore calls join the request's trace
-                return await coro
+                if span is None:
+                    return await coro
+                with tracing.child_span(span, kvstore=self.kvstore_address, **attributes):
+                    return await coro
         return asyncio.run_coroutine_threadsafe(traced(), self._loop)
 
     @property
@@ -113,8 +119,10 @@ class KVConnector:
             except BaseException:
                 await self._kv.release(lease.lease_id, check=False)
                 raise
+            tracing.annotate(blocks_pulled=pulled, bytes_pulled=bytes_pulled, blocks_read=len(payloads),
+                             bytes_read=sum(memoryview(p).nbytes for p in payloads.values()))
             return Loaded(hashes, payloads, lease.lease_id, pulled, bytes_pulled, time.perf_counter() - start)
-        return self._submit(run(), trace_context)
+        return self._submit(run(), trace_context, "kv.load", blocks=len(hashes), pull_from=pull_from or None)
 
     def lookup(self, hashes: list[bytes], timeout: float | None = 10.0,
                trace_context: dict[str, str] | None = None) -> concurrent.futures.Future:
@@ -122,7 +130,7 @@ class KVConnector:
         async def run() -> list[bool]:
             response = await self._kv.stub.Lookup(kvstore_pb2.LookupRequest(block_hashes=hashes), timeout=timeout)
             return list(response.present)
-        return self._submit(run(), trace_context)
+        return self._submit(run(), trace_context, "kv.lookup", blocks=len(hashes))
 
     def release(self, lease_id: int, check: bool = True) -> concurrent.futures.Future:
         """End a lease once its blocks are copied; with `check`, an expired lease fails (DATA_LOSS)."""
@@ -132,7 +140,11 @@ class KVConnector:
               trace_context: dict[str, str] | None = None) -> concurrent.futures.Future:
         """Bulk-put (hash, frame) pairs (raw frames from the engine; signed here, lazily, on the
         connector's thread); the future gives (blocks stored, blocks already there)."""
-        return self._submit(bulk.put(self._kv.channel, self._signed(frames), timeout=timeout), trace_context)
+        async def run() -> tuple[int, int]:
+            stored, present = await bulk.put(self._kv.channel, self._signed(frames), timeout=timeout)
+            tracing.annotate(blocks_stored=stored, blocks_present=present)
+            return stored, present
+        return self._submit(run(), trace_context, "kv.store", blocks=len(frames), bytes=_nbytes(frames))
 
     def _signed(self, frames):
         """The frames signed with the cluster's MAC key as they are consumed (on the connector's
@@ -156,15 +168,18 @@ class KVConnector:
         async def run() -> tuple[int, int]:
             signed = list(self._signed(frames))  # (sent twice: to `to` and to the site store)
             if hashes:  # the push leaves first: its announcement must reach `to` before decode's pull can
-                self._track(self._send_on(to, self._push(to, signed, hashes), len(hashes)))
+                self._track(self._send_on(to, self._push(to, signed, hashes), len(hashes), "kv.push",
+                                          _nbytes(signed)))
             if prefetch:
-                self._track(self._send_on(to, self._pull_there(to, list(prefetch)), len(prefetch)))
+                self._track(self._send_on(to, self._pull_there(to, list(prefetch)), len(prefetch), "kv.pull_there"))
             stored, present = await bulk.put(self._kv.channel, signed, timeout=60.0) if signed else (0, 0)
+            tracing.annotate(blocks_stored=stored, blocks_present=present)
             for earlier in after:
                 more = await asyncio.wrap_future(earlier)
                 stored, present = stored + more[0], present + more[1]
             return stored, present
-        return self._submit(run(), trace_context)
+        return self._submit(run(), trace_context, "kv.stream", blocks=len(frames), bytes=_nbytes(frames), to=to,
+                            relay=self.routes.get(to), prefetch_blocks=len(prefetch))
 
     def _track(self, coro) -> None:
         """Run `coro` on the connector's loop in the background (closing cancels it)."""
@@ -184,14 +199,18 @@ class KVConnector:
         await kvstore_pb2_grpc.KVStoreStub(self._peer(to)).Pull(kvstore_pb2.PullRequest(
             block_hashes=hashes, source=self.kvstore_address, lease_s=0), timeout=STREAM_TIMEOUT_S)
 
-    async def _send_on(self, to: str, moving, count: int) -> None:
-        try:
-            await moving
-            self.blocks_streamed += count
-        except Exception as e:  # noqa: BLE001  (counted and logged: decode pulls or recomputes what is missing)
-            self.streams_failed += 1
-            why = f"{e.code().name} {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else repr(e)
-            log.info("streaming %d blocks to %s failed (decode pulls or recomputes them): %s", count, to, why)
+    async def _send_on(self, to: str, moving, count: int, span: str, nbytes: int | None = None) -> None:
+        """`moving` to the other site, as a `span` of the request's trace (a child of its kv.stream)."""
+        with tracing.child_span(span, to=to, relay=self.routes.get(to), kvstore=self.kvstore_address,
+                                blocks=count, bytes=nbytes):
+            try:
+                await moving
+                self.blocks_streamed += count
+            except Exception as e:  # noqa: BLE001  (counted and logged: decode pulls or recomputes what is missing)
+                self.streams_failed += 1
+                why = f"{e.code().name} {e.details()}" if isinstance(e, grpc.aio.AioRpcError) else repr(e)
+                tracing.annotate(failed=why)
+                log.info("streaming %d blocks to %s failed (decode pulls or recomputes them): %s", count, to, why)
 
     def close(self) -> None:
         async def shut():
@@ -208,3 +227,8 @@ class KVConnector:
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+
+
+def _nbytes(frames) -> int:
+    """The bytes of (hash, frame) pairs."""
+    return sum(memoryview(frame).nbytes for _, frame in frames)

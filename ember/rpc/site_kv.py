@@ -23,6 +23,7 @@ import grpc
 
 from ember.kv import bulk, wire
 from ember.kv.shm import ArenaReader
+from ember.rpc import tracing
 from ember.rpc.errors import RpcError
 from ember.v1 import kvstore_pb2, kvstore_pb2_grpc
 
@@ -118,10 +119,12 @@ class SiteKV:
         if arena is not None:
             frames = {h: arena.frame(offset, lease.frame_bytes) for h, offset in held}
             self.blocks_shared_memory += len(frames)
+            tracing.annotate(read_via="shared memory")
         elif held:
             async for h, frame in bulk.fetch(self.channel, [h for h, _ in held], timeout=timeout):
                 frames[h] = frame
             self.blocks_grpc += len(frames)
+            tracing.annotate(read_via="grpc")
         try:
             return {h: wire.decode_frame(frame, expect, block_hash=h, mac_key=self.mac_key)
                     for h, frame in frames.items()}

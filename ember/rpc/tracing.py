@@ -14,6 +14,13 @@ opentelemetry-instrumentation-aiohttp-server (services/router/openai_http.py).
 Exporters: OTLP over gRPC when OTEL_EXPORTER_OTLP_ENDPOINT is set; else JSON lines in
 $EMBER_TRACE_DIR/<service>-<pid>.jsonl when that is set (`ember up` sets it to the run dir);
 else spans are not exported.
+
+Besides the gRPC spans, the work itself has spans where it happens (docs/ARCHITECTURE.md, "Traces"):
+the engine core, a process of its own, sets up its tracer as its service's (`setup(name,
+"engine-core")`) and joins each request's trace through the W3C context its AddRequest carries
+(ember.serving.core_spans: queue wait, prefill chunks, import, the decode phase), its KV connector's
+calls are `kv.load` / `kv.store` / `kv.stream` / `kv.push` spans, and a kvstore's pull from
+another site is a `kv.pull` span with the link's sites and addresses.
 """
 from __future__ import annotations
 
@@ -35,6 +42,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter, SpanExportResult
 
 tracer = trace.get_tracer("ember")
+exporting = False  # whether this process exports its spans (setup found an exporter to use)
 
 
 class JsonLinesExporter(SpanExporter):
@@ -46,7 +54,9 @@ class JsonLinesExporter(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         for span in spans:
             ctx, parent = span.get_span_context(), span.parent
-            record = {"name": span.name, "service": span.resource.attributes.get("service.name"),
+            resource = span.resource.attributes
+            record = {"name": span.name, "service": resource.get("service.name"),
+                      "process": resource.get("ember.process"),
                       "trace_id": f"{ctx.trace_id:032x}", "span_id": f"{ctx.span_id:016x}",
                       "parent_id": f"{parent.span_id:016x}" if parent else None, "kind": span.kind.name,
                       "start_ns": span.start_time, "end_ns": span.end_time, "status": span.status.status_code.name,
@@ -58,16 +68,49 @@ class JsonLinesExporter(SpanExporter):
         os.close(self.fd)
 
 
-def setup(service_name: str) -> None:
-    """Install the tracer provider for this process (call once, at start-up)."""
-    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+def setup(service_name: str, process: str | None = None) -> None:
+    """Install the tracer provider for this process (call once, at start-up). `process`: what part
+    of the service this process is ("engine-core"; the resource's `ember.process`)."""
+    global exporting
+    attributes = {"service.name": service_name} | ({"ember.process": process} if process else {})
+    provider = TracerProvider(resource=Resource.create(attributes))
     if os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT"):
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter()))
+        exporting = True
     elif os.environ.get("EMBER_TRACE_DIR"):
         path = os.path.join(os.environ["EMBER_TRACE_DIR"], f"{service_name}-{os.getpid()}.jsonl")
         provider.add_span_processor(SimpleSpanProcessor(JsonLinesExporter(path)))
+        exporting = True
     trace.set_tracer_provider(provider)
+
+
+def span_between(name: str, parent: otel_context.Context | None, start_ns: int, end_ns: int, **attributes) -> None:
+    """A span already over (its times measured by the caller: time.time_ns()), child of `parent`
+    (a context from `context_of`), with `ember.` attributes (None values skipped)."""
+    span = tracer.start_span(name, context=parent, start_time=start_ns,
+                             attributes={f"ember.{k}": v for k, v in attributes.items() if v is not None})
+    span.end(end_time=max(start_ns, end_ns))
+
+
+@contextlib.contextmanager
+def child_span(name: str, **attributes):
+    """A span `name` under the current one, made current (`ember.` attributes); nothing (None) when
+    no trace is current: work no request caused makes no root span."""
+    if not trace.get_current_span().get_span_context().is_valid:
+        yield None
+        return
+    with tracer.start_as_current_span(name) as span:
+        annotate(**attributes)
+        yield span
+
+
+def context_of(carrier: dict[str, str] | None) -> otel_context.Context | None:
+    """The context a `current_carrier` handed over (None when it carries no trace)."""
+    if not carrier:
+        return None
+    ctx = propagate.extract(carrier)
+    return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
 
 
 def _traced():

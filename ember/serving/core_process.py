@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls-dir", help="the service's TLS folder (ember.rpc.security): mTLS to the kvstore")
     p.add_argument("--route", action="append", default=[], metavar="ADDRESS=RELAY",
                    help="reach another site's kvstore ADDRESS through RELAY (an emulated link)")
+    p.add_argument("--trace-service", help="the service's name: this core's spans are its (ember.rpc.tracing)")
     args = p.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the service, which shuts us down
     exit_with_service(args.fd)
@@ -60,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from ember.rpc import logs
     logs.setup("engine-core")
+    if args.trace_service and (os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT") or os.environ.get("EMBER_TRACE_DIR")):
+        from ember.rpc import tracing  # each request's spans here join its trace (ember.serving.core_spans)
+        tracing.setup(args.trace_service, "engine-core")
     phases = [("started", time.monotonic())]
     try:
         from ember.engine.config import EngineConfig

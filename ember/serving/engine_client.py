@@ -260,23 +260,26 @@ class SubprocessEngineClient(EngineClient):
 
     @classmethod
     async def start(cls, config, kvstore: str | None = None, use_shm: bool = True,
-                    on_death: Callable[[], None] | None = None, routes: dict[str, str] | None = None
-                    ) -> SubprocessEngineClient:
+                    on_death: Callable[[], None] | None = None, routes: dict[str, str] | None = None,
+                    trace_service: str | None = None) -> SubprocessEngineClient:
         """Spawn the core for `config` (an EngineConfig, or its fields as a dict: the core resolves their
         "auto" values, so the service never imports torch) and wait until its model is warm. `routes`:
         other sites' kvstores -> the emulated links in front of them (the core streams KV there)."""
-        return await cls.ready(cls.spawn(config, kvstore, use_shm, routes), on_death)
+        return await cls.ready(cls.spawn(config, kvstore, use_shm, routes, trace_service), on_death)
 
     @staticmethod
-    def spawn(config, kvstore: str | None = None, use_shm: bool = True, routes: dict[str, str] | None = None
-              ) -> tuple[subprocess.Popen, Connection]:
+    def spawn(config, kvstore: str | None = None, use_shm: bool = True, routes: dict[str, str] | None = None,
+              trace_service: str | None = None) -> tuple[subprocess.Popen, Connection]:
         """Start the core's process now (a service does this first thing, so the core's imports and model
-        load overlap the service's own start-up); `ready` waits for it."""
+        load overlap the service's own start-up); `ready` waits for it. `trace_service`: the service's
+        name, under which the core exports its spans (when the service exports its own)."""
         mine, theirs = socket.socketpair()
         args = ["--config", json.dumps(config) if isinstance(config, dict) else config.model_dump_json()]
         if kvstore:
             args += ["--kvstore", kvstore] + ([] if use_shm else ["--no-shm"])
             args += [a for true, relay in (routes or {}).items() for a in ("--route", f"{true}={relay}")]
+        if trace_service:
+            args += ["--trace-service", trace_service]
         from ember.rpc import security
         if security.current() is not None:  # the core dials the kvstore as this service
             args += ["--tls-dir", str(security.current().folder)]

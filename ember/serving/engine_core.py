@@ -34,6 +34,7 @@ from ember.engine.errors import CapacityError, IntegrityError, InvalidRequestErr
 from ember.engine.outputs import KVStats, RequestOutput
 from ember.engine.scheduler import ScheduledBatch
 from ember.kv.block_hash import chain_hashes
+from ember.serving.core_spans import CoreSpans
 from ember.serving.messages import MEMORY_REFRESH_S, AddRequest, ErrorInfo, Snapshot
 
 log = logging.getLogger("ember.engine")
@@ -101,9 +102,12 @@ class EngineCore:
     _step_prefill: int = 0
     _step_prompt: int = 0  # of those, prompt tokens (counted as computed once the step is done)
     _running_left: int = 0  # prompt tokens running sequences need beyond the step in progress
+    spans: CoreSpans | None = None  # each request's spans (queue, chunks, import, decode), when exported
 
     def __post_init__(self):
         self.engine.on_batch = self._on_batch
+        if self.spans is None and CoreSpans.wanted():
+            self.spans = CoreSpans()
         self.snapshot()  # (a full one: the publisher thread's base from the start, KV capacity and memory too)
 
     # -- messages ----------------------------------------------------------------------
@@ -151,6 +155,8 @@ class EngineCore:
         if live is not None:
             self._unpin(live)
             self.engine.abort(request_id)
+            if self.spans is not None:
+                self.spans.finished(request_id, aborted=True)
 
     def stats(self) -> dict:
         engine, bm = self.engine, self.engine.block_manager
@@ -235,6 +241,8 @@ class EngineCore:
         self._running_left, self._step_prefill, self._step_prompt = left, step, prompt
         self._step_since = time.monotonic()
         self._publish()
+        if self.spans is not None:
+            self.spans.batch(batch)
 
     def _step_ended(self, done: bool) -> None:
         if done:
@@ -284,6 +292,8 @@ class EngineCore:
                 self._publish()
                 return events
             self._step_ended(True)
+            if self.spans is not None:
+                self.spans.step_done()
             if self.engine.stats.num_steps == steps:
                 self._break_hold_deadlock()
             t = self.tiers
@@ -370,6 +380,7 @@ class EngineCore:
         held = list(pending.pins)
         covered = pending.hashes[:len(pending.pins) + len(loaded.hashes)]
         payloads = [None] * len(pending.pins) + [loaded.payloads.get(h) for h in loaded.hashes]
+        began = time.time_ns()
         try:
             kv.blocks_l2 = self.engine.import_blocks(request.prompt_token_ids, covered, payloads, hold=held,
                                                      cache_salt=request.cache_salt,
@@ -379,6 +390,9 @@ class EngineCore:
             self._release_pins(held)
             return [_error(rid, exc)]
         self.releases.append((rid, self.connector.release(loaded.lease_id)))
+        if self.spans is not None:
+            moved = sum(memoryview(p).nbytes for p in payloads if p is not None)
+            self.spans.imported(request, began, kv.blocks_l2, moved)
         return self._admit(request, held, kv, pending.hashes, pending.l2_lookup, in_store=set(loaded.payloads))
 
     def _admit(self, request: AddRequest, pins: list[int], kv: KVStats, hashes: list[bytes] = (),
@@ -392,6 +406,9 @@ class EngineCore:
         except (InvalidRequestError, CapacityError) as e:
             self._release_pins(pins)
             return [_error(request.request_id, e)]
+        if self.spans is not None:
+            scheduler = self.engine.scheduler
+            self.spans.admitted(request, len(scheduler.waiting) - 1, len(scheduler.running))
         self.live[request.request_id] = _Live(request, pins, kv, list(hashes[:kv.blocks_l1]), l2_lookup,
                                               hashes=list(hashes), in_store=set(in_store))
         return []
@@ -406,6 +423,8 @@ class EngineCore:
             return [("out", out)]
         del self.live[out.request_id]
         self._unpin(live)
+        if self.spans is not None:
+            self.spans.finished(out.request_id, out.completion_tokens, out.finish_reason)
         if out.error is not None:  # its grammar failed mid-decode: an error for the caller, not a short answer
             return [_error(out.request_id, InvalidRequestError(f"the request's constraint failed while decoding: "
                                                                f"{out.error}"))]

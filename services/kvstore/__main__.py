@@ -37,7 +37,8 @@ async def main(args) -> None:
     creds = security.current()
     service = KVStoreService(store, s.data_listen or "", s.codec, shm_socket, store_id,
                              routes=parse_routes(args.route), peers=set(s.peers),
-                             tls=None if creds is None else creds.client_context(), link_GBps=dict(s.link_GBps))
+                             tls=None if creds is None else creds.client_context(), link_GBps=dict(s.link_GBps),
+                             site=s.site, sites={x.kvstore: x.name for x in args.cluster.sites if x.has("kvstore")})
     kvstore_pb2_grpc.add_KVStoreServicer_to_server(service, server.server)
     weights = WeightStoreService(ChunkStore(w.chunks_dir, w.capacity_bytes), w.peers, parse_routes(args.route),
                                  w.codec, w.seed_model, s.max_lease_s)

@@ -29,11 +29,14 @@ WAIT_FOR_OTHERS_S = 10.0  # the longest a pull waits on another's transfer befor
 class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
     def __init__(self, store: BlockStore, data_address: str = "", codec_mode: str = "auto",
                  shm_socket: str = "", store_id: bytes = b"", routes: dict[str, str] | None = None,
-                 peers: set[str] | None = None, tls=None, link_GBps: dict[str, float] | None = None):
+                 peers: set[str] | None = None, tls=None, link_GBps: dict[str, float] | None = None,
+                 site: str = "", sites: dict[str, str] | None = None):
         """`peers`: the kvstores a Pull may name as its source (the config's other sites; None:
         any, for in-process tests); `tls`: the data plane's client context (mTLS); `link_GBps`: peer
-        address -> the configured bandwidth of the link to it (the codec's price before a measurement)."""
+        address -> the configured bandwidth of the link to it (the codec's price before a measurement);
+        `site`, `sites`: this store's site and the others' by kvstore address (named on a pull's span)."""
         self.store = store
+        self.site, self.sites = site, sites or {}
         self.data_address, self.shm_socket, self.store_id = data_address, shm_socket, store_id
         self.peers = peers
         self.fetcher = PeerFetcher(store, codec_mode, routes, tls, link_GBps)
@@ -201,17 +204,21 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         def on_wire(n: int) -> None:
             nonlocal wire_bytes
             wire_bytes += n
+        span = tracing.child_span("kv.pull", source=source, source_site=self.sites.get(source),
+                                  codec=codec.NAMES.get(codec_id), blocks_requested=len(missing))
         try:
-            async for block_hash, frame in self.fetcher.fetch(source, missing, timeout, self._reserve, on_wire,
-                                                                  codec_id):
-                blocks += 1
-                raw_bytes += len(frame)
-                if lease is not None:
-                    self.store.add_to_lease(lease.lease_id, block_hash)
-                self._landed(block_hash, True)  # (a push announced it too: its waiters go on)
-                f = futures.get(block_hash)
-                if f is not None and not f.done():
-                    f.set_result(True)
+            with span:
+                async for block_hash, frame in self.fetcher.fetch(source, missing, timeout, self._reserve, on_wire,
+                                                                      codec_id):
+                    blocks += 1
+                    raw_bytes += len(frame)
+                    if lease is not None:
+                        self.store.add_to_lease(lease.lease_id, block_hash)
+                    self._landed(block_hash, True)  # (a push announced it too: its waiters go on)
+                    f = futures.get(block_hash)
+                    if f is not None and not f.done():
+                        f.set_result(True)
+                self._annotate_link(source, blocks, raw_bytes, wire_bytes)
         finally:
             for h, f in futures.items():
                 if self._pulling.get(h) is f:
@@ -222,6 +229,16 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             self.store.stats.bytes_pulled += raw_bytes
             self.wire_bytes_pulled += wire_bytes
         return blocks, raw_bytes, wire_bytes
+
+    def _annotate_link(self, source: str, blocks: int, raw_bytes: int, wire_bytes: int) -> None:
+        """A pull's span: what crossed, and the link it crossed (sites, the peer's address, the data
+        plane's address, or gRPC when the peer has none; a relay when the link is emulated)."""
+        peer = self.fetcher.peers.get(source)
+        data = peer.data_address if peer is not None else None
+        tracing.annotate(blocks=blocks, bytes=raw_bytes, wire_bytes=wire_bytes, site=self.site or None,
+                         link=f"{self.sites.get(source, source)} -> {self.site or 'here'}",
+                         via="data plane" if data else "grpc", data_address=data or None,
+                         relay=self.fetcher.routes.get(source))
 
     def _lease_pb(self, lease_id: int, hashes: list[bytes]) -> kvstore_pb2.LeaseResponse:
         lease = self.store.leases[lease_id]
