@@ -65,6 +65,12 @@ STATE_AGE = Gauge("ember:engine_state_age_seconds", "Age of the engine core's la
 PREFIX_QUERIES = Counter("ember:prefix_cache_queries", "Prompt tokens looked up in the prefix cache")
 PREFIX_HITS = Counter("ember:prefix_cache_hits", "Prompt tokens found in the prefix cache")
 # kvstore (its counters live in BlockStore.stats and are read at scrape time)
+KV_PULL_BYTES = Counter("ember:kvstore_pull_bytes", "Frame bytes pulled from another site's kvstore, by link "
+                        "(SOURCE->THIS site)", ["link"])
+KV_PULL_WIRE_BYTES = Counter("ember:kvstore_pull_wire_bytes", "Bytes those pulls put on the wire (after the link "
+                             "codec), by link", ["link"])
+KV_PULL_SECONDS = Counter("ember:kvstore_pull_seconds", "Seconds spent pulling from another site's kvstore, by link",
+                          ["link"])
 KV_PULL_THROUGHPUT = Histogram("ember:kvstore_pull_throughput_bytes_per_second", "Throughput of pulls",
                                buckets=(1e7, 5e7, 1e8, 2.5e8, 5e8, 1e9, 2e9, 4e9, 8e9))
 

@@ -122,6 +122,16 @@ class _Server(ThreadingWSGIServer):
             tls.close()
 
 
+def _classic_text(app):
+    """Prometheus asks for OpenMetrics first, and prometheus_client's OpenMetrics exposition spells the
+    `ember:` names with underscores (`ember_...`): the classic text format is served whatever the
+    Accept header, so a scrape stores the names the dashboard, the docs and `ember status` use."""
+    def serve(environ, start_response):
+        environ = {k: v for k, v in environ.items() if k != "HTTP_ACCEPT"}
+        return app(environ, start_response)
+    return serve
+
+
 def _guarded(app, access: MetricsAccess):
     """The metrics WSGI app behind the bearer token (mtls and none: the connection decided)."""
     if access.auth != "token":
@@ -149,7 +159,7 @@ def serve(address: str, registry=REGISTRY, access: MetricsAccess | None = None) 
     host, port = address.rsplit(":", 1)
     server = _Server((host.strip("[]"), int(port)), _Quiet)
     server.access = access
-    server.set_app(_guarded(make_wsgi_app(registry), access))
+    server.set_app(_guarded(_classic_text(make_wsgi_app(registry)), access))
     threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return server
 

@@ -204,6 +204,7 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
         def on_wire(n: int) -> None:
             nonlocal wire_bytes
             wire_bytes += n
+        started = time.perf_counter()
         span = tracing.child_span("kv.pull", source=source, source_site=self.sites.get(source),
                                   codec=codec.NAMES.get(codec_id), blocks_requested=len(missing))
         try:
@@ -228,6 +229,10 @@ class KVStoreService(kvstore_pb2_grpc.KVStoreServicer):
             self.store.stats.blocks_pulled += blocks
             self.store.stats.bytes_pulled += raw_bytes
             self.wire_bytes_pulled += wire_bytes
+            link = f"{self.sites.get(source, source)}->{self.site or 'here'}"  # (a pull cut short counts too)
+            metrics.KV_PULL_BYTES.labels(link).inc(raw_bytes)
+            metrics.KV_PULL_WIRE_BYTES.labels(link).inc(wire_bytes)
+            metrics.KV_PULL_SECONDS.labels(link).inc(time.perf_counter() - started)
         return blocks, raw_bytes, wire_bytes
 
     def _annotate_link(self, source: str, blocks: int, raw_bytes: int, wire_bytes: int) -> None:
