@@ -289,10 +289,29 @@ def up(config_path: str | Path | None = None, run_dir: str | Path | None = None,
             if address is not None:
                 wait_serving(address, deadline, procs[name], run_dir / f"{name}.log",  # the router's: its public port
                              None if name == "router" else creds, public_ca if name == "router" else None)
+        wait_router_counts_live(run_dir, deadline)
     except BaseException:
         down(run_dir)
         raise
     return config
+
+
+def wait_router_counts_live(run_dir: Path, deadline: float) -> None:
+    """Until the router counts every engine worker live (its health poll, every 0.5 s, has seen each
+    SERVING): a cluster `ember up` returns serves its first request as configured, not on a
+    fallback (a prefill worker the router has not seen yet sends the request to decode-only)."""
+    from ember.cluster.status import scrape
+    services_ = json.loads((run_dir / "services.json").read_text())
+    router = services_.get("router", {}).get("metrics")
+    keys = [f'ember:worker_live{{address="{s["address"]}",role="{s["role"]}",site="{s["site"]}"}}'
+            for s in services_.values() if s.get("role") in ("prefill", "decode")]
+    if router is None or not keys:
+        return
+    while not all((seen := scrape(router)).get(k) == 1.0 for k in keys):
+        if time.monotonic() > deadline:
+            missing = [k for k in keys if seen.get(k) != 1.0]
+            raise TimeoutError(f"the router never counted these workers live: {missing}")
+        time.sleep(0.05)
 
 
 @contextmanager
