@@ -42,7 +42,8 @@ TENANT_TTFT = Histogram("ember:tenant_time_to_first_token_seconds", "Time to fir
 # every service
 RPC_ERRORS = Counter("ember:request_errors", "Calls that ended in an error, by gRPC status", ["method", "code"])
 # engine services (prefill, decode)
-RUNNING = Gauge("ember:num_requests_running", "Sequences in the running batch")
+RUNNING = Gauge("ember:num_requests_running", "Sequences in the running batch, and finished ones whose answer waits "
+                "on its KV write-back (prefill's)")
 WAITING = Gauge("ember:num_requests_waiting", "Requests at this worker not running yet: queued, loading their KV, or "
                 "on their way to the engine core (counted from their arrival, also during a long step)")
 KV_USAGE = Gauge("ember:kv_cache_usage_perc", "Fraction of the paged KV pool referenced by sequences")

@@ -207,8 +207,10 @@ class EngineCore:
             queued += len(pending.request.prompt_token_ids)
         for seq in scheduler.waiting:  # (before their prefix-cache hits are known)
             queued += seq.num_tokens - seq.num_computed_tokens
+        # a request whose answer waits on its write-back (sync: prefill's) is still this worker's work
+        finishing = sum(1 for store in self.stores if store[1] is not None) if self.stores else 0
         self._version += 1
-        self._state = (self._version, len(scheduler.running),
+        self._state = (self._version, len(scheduler.running) + finishing,
                        len(scheduler.waiting) + len(self.pending), self.adds, self._step_since, self._step_prefill,
                        queued, self.engine.block_manager.num_used_blocks, t.tokens_l1, t.tokens_l2,
                        t.tokens_computed, t.generation_tokens, t.prefix_queries)

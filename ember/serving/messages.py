@@ -80,7 +80,7 @@ class Snapshot:
     core's publisher thread at least every PUBLISH_S while the loop sends none (a long step). The
     counters advance as the work is done: a request's cached prompt tokens at its first step, its
     computed ones chunk by chunk, its generated tokens step by step."""
-    running: int = 0
+    running: int = 0  # in the running batch, or finished but its answer waits on its KV write-back (sync)
     waiting: int = 0  # admitted to the scheduler's queue or loading its KV (the client adds the adds on their way)
     used_blocks: int = 0
     total_blocks: int = 1
