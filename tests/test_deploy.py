@@ -109,6 +109,9 @@ def test_compose_runs_every_service_of_the_cluster_yaml_with_its_settings():
     targets = {t.split(":")[0] for job in scrape["scrape_configs"] for c_ in job["static_configs"]
                for t in c_["targets"]}
     assert targets == set(want)
+    roles = {s.name: s.role for s in services(config())}  # each target labelled with its role (the dashboard)
+    for c_ in (c_ for job in scrape["scrape_configs"] for c_ in job["static_configs"]):
+        assert all(c_["labels"]["role"] == roles[t.split(":")[0]] for t in c_["targets"]), c_
 
 
 # -- Kubernetes -------------------------------------------------------------------------

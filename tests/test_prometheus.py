@@ -43,12 +43,14 @@ def prometheus(default_cluster, tmp_path_factory):
     assert binary, "prometheus is not installed (.ci/run installs Debian's package)"
     folder = tmp_path_factory.mktemp("prometheus")
     jobs = {}
-    for e in endpoints(default_cluster.run_dir).values():
+    roles = {name: info["role"] for name, info in json.loads((default_cluster.run_dir / "services.json").read_text())
+             .items()}
+    for name, e in endpoints(default_cluster.run_dir).items():  # a `role` label per target, as deploy/prometheus.yml
         job = jobs.setdefault(e["scheme"], {"job_name": f"ember-{e['scheme']}", "scheme": e["scheme"],
-                                            "static_configs": [{"targets": []}]})
+                                            "static_configs": []})
         if e["scheme"] == "https":
             job["tls_config"] = {"ca_file": e["ca"], "cert_file": e["cert"], "key_file": e["key"]}
-        job["static_configs"][0]["targets"].append(e["address"])
+        job["static_configs"].append({"targets": [e["address"]], "labels": {"role": roles[name]}})
     config = folder / "prometheus.yml"
     config.write_text(yaml.safe_dump({"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
                                       "scrape_configs": list(jobs.values())}))
@@ -132,3 +134,7 @@ def test_the_grafana_dashboard_names_only_exported_metrics(default_cluster, prom
     assert named and not named - exported, sorted(named - exported)
     for e in exprs:  # and Prometheus parses every one of them
         query(prometheus, e.replace("$__rate_interval", "1m"))
+    # the tokens/s panel counts the router's tokens alone (the engines count the same ones per step)
+    [tokens] = [p for p in dashboard["panels"] if p["title"] == "Tokens per second"]
+    assert all('role="router"' in t["expr"] for t in tokens["targets"])
+    assert query(prometheus, 'count(ember:prompt_tokens_total{role="router"})')[0]["value"][1] == "1"
