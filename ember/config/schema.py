@@ -392,7 +392,6 @@ class SecuritySection(Section):
         return self
 
 
-
 class ClusterConfig(Section):
     model: str = Field(DEFAULT_MODEL, description="a named model (fetched into the user cache on first use) or "
                                                   "a GGUF file / HF folder, relative to this file")
