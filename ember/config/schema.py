@@ -337,7 +337,9 @@ class DirectorySection(Section):
     def _options_need_redis(self):
         if self.url is None:
             for key in ("tls_ca", "users"):
-                if key in self.model_fields_set:
+                value = getattr(self, key)
+                if key in self.model_fields_set and (value.model_fields_set if key == "users" else value):
+                    # (a dumped config's empty `users: {}` names nobody)
                     raise ValueError(f"directory.{key}: set only with directory.url (a Redis); the in-memory "
                                      "directory is reached over the cluster's mTLS")
         elif self.tls_ca is not None and not self.url.startswith("rediss://"):

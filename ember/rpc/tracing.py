@@ -24,6 +24,7 @@ another site is a `kv.pull` span with the link's sites and addresses.
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -120,7 +121,32 @@ def _traced():
 
 def client_interceptors() -> list:
     """CLIENT spans for, and trace context in the metadata of, every call of a channel."""
-    return aio_client_interceptors(filter_=_traced())
+    return [_cancels_its_call(i) for i in aio_client_interceptors(filter_=_traced())]
+
+
+def _cancels_its_call(interceptor):
+    """The instrumentation's interceptor, but a unary-response call whose caller is cancelled is
+    cancelled too. Upstream awaits the call's status inside the interceptor (`await call.code()`):
+    cancelling the caller cancelled that wait and left the call itself running, unseen by anyone, so
+    a client that gave up on a request (the router's Prefill call of a cancelled Generate) kept the
+    worker computing it to the end."""
+    wrap = interceptor._wrap_unary_response
+
+    async def wrapped(continuation, span):
+        started = []
+
+        async def start():
+            call = await continuation()
+            started.append(call)
+            return call
+        try:
+            return await wrap(start, span)
+        except asyncio.CancelledError:
+            for call in started:
+                call.cancel()
+            raise
+    interceptor._wrap_unary_response = wrapped
+    return interceptor
 
 
 class _ClosingServerInterceptor(OpenTelemetryAioServerInterceptor):
