@@ -94,25 +94,17 @@ class CertificateAuthority:
     def issue(self, name: str, identity: Identity | None, addresses: list[str | None] = ()) -> tuple[bytes, bytes]:
         """(certificate PEM, key PEM) for one service: server and client use, its SANs (no Ember
         identity for a server that is not an Ember service: redis-server)."""
-        key = _key()
-        now = datetime.datetime.now(datetime.UTC)
-        cert = (x509.CertificateBuilder()
-                .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-                .issuer_name(self.cert.subject).public_key(key.public_key())
-                .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-                .not_valid_after(now + datetime.timedelta(days=self.valid_days))
-                .add_extension(x509.SubjectAlternativeName(
-                    ([x509.UniformResourceIdentifier(identity.uri)] if identity else [])
-                    + _hosts(list(addresses), name)), critical=False)
-                .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
-                                                      ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-                .sign(self.key, hashes.SHA256()))
-        return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
+        uris = [x509.UniformResourceIdentifier(identity.uri)] if identity else []
+        return self._sign(name, uris + _hosts(list(addresses), name),
+                          [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
 
     def issue_server(self, name: str, addresses: list[str | None]) -> tuple[bytes, bytes]:
         """(certificate PEM, key PEM) of a plain TLS server (the router's public ports): no cluster
         identity, server use only, valid for the addresses' hosts plus localhost and 127.0.0.1."""
+        return self._sign(name, _hosts(list(addresses), "localhost"), [ExtendedKeyUsageOID.SERVER_AUTH])
+
+    def _sign(self, name: str, sans: list, usages: list) -> tuple[bytes, bytes]:
+        """A new key and its certificate, signed by this CA for `valid_days`: (certificate PEM, key PEM)."""
         key = _key()
         now = datetime.datetime.now(datetime.UTC)
         cert = (x509.CertificateBuilder()
@@ -120,9 +112,9 @@ class CertificateAuthority:
                 .issuer_name(self.cert.subject).public_key(key.public_key())
                 .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
                 .not_valid_after(now + datetime.timedelta(days=self.valid_days))
-                .add_extension(x509.SubjectAlternativeName(_hosts(list(addresses), "localhost")), critical=False)
+                .add_extension(x509.SubjectAlternativeName(sans), critical=False)
                 .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+                .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
                 .sign(self.key, hashes.SHA256()))
         return cert.public_bytes(serialization.Encoding.PEM), _pem_key(key)
 

@@ -77,6 +77,36 @@ def check(method: str, context) -> None:
                        f"{identity} may not call {method} (allowed: {allowed})")
 
 
+def guarded(handler, before):
+    """`handler` (a gRPC method handler of any kind) with `await before(context)` run ahead of it: a
+    `before` that raises or aborts refuses the call before the handler starts. A streaming handler is
+    closed with its call."""
+    def unary(fn):
+        async def wrapped(request, context):
+            await before(context)
+            return await fn(request, context)
+        return wrapped
+
+    def streaming(fn):
+        async def wrapped(request, context):
+            await before(context)
+            async with contextlib.aclosing(fn(request, context)) as items:
+                async for item in items:
+                    yield item
+        return wrapped
+
+    args = handler.request_deserializer, handler.response_serializer
+    if handler.unary_unary:
+        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), *args)
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), *args)
+    if handler.stream_unary:
+        return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), *args)
+    if handler.stream_stream:
+        return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), *args)
+    return handler
+
+
 class AuthzInterceptor(grpc.aio.ServerInterceptor):
     """Checks the caller's role before the handler runs. Sits inside ErrorInterceptor, which
     turns the refusal into its status."""
@@ -87,27 +117,6 @@ class AuthzInterceptor(grpc.aio.ServerInterceptor):
             return None
         method = handler_call_details.method
 
-        def wrap_unary(fn):
-            async def wrapped(request, context):
-                check(method, context)
-                return await fn(request, context)
-            return wrapped
-
-        def wrap_stream(fn):
-            async def wrapped(request, context):
-                check(method, context)
-                async with contextlib.aclosing(fn(request, context)) as items:
-                    async for item in items:
-                        yield item
-            return wrapped
-
-        args = handler.request_deserializer, handler.response_serializer
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), *args)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(wrap_stream(handler.unary_stream), *args)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary), *args)
-        if handler.stream_stream:
-            return grpc.stream_stream_rpc_method_handler(wrap_stream(handler.stream_stream), *args)
-        return handler
+        async def authorized(context) -> None:
+            check(method, context)
+        return guarded(handler, authorized)

@@ -11,12 +11,12 @@ reaches a log line (only the reason).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 
 import grpc
 
 from ember.rpc import metrics, security
+from ember.rpc.authz import guarded
 from ember.services.router.auth import KeyTable, bearer
 
 log = logging.getLogger("ember.router")
@@ -78,27 +78,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
                 yield  # (an async generator: gRPC reads no request first)
             return grpc.stream_stream_rpc_method_handler(unknown)
 
-        def unary(fn):
-            async def guarded(request, context):
-                if not cluster_peer(context):
-                    await refuse(context)
-                return await fn(request, context)
-            return guarded
-
-        def streaming(fn):
-            async def guarded(request, context):
-                if not cluster_peer(context):
-                    await refuse(context)
-                async with contextlib.aclosing(fn(request, context)) as items:  # closed with the call
-                    async for item in items:
-                        yield item
-            return guarded
-
-        args = handler.request_deserializer, handler.response_serializer
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), *args)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), *args)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), *args)
-        return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), *args)
+        async def key_or_cluster_peer(context) -> None:
+            if not cluster_peer(context):
+                await refuse(context)
+        return guarded(handler, key_or_cluster_peer)
