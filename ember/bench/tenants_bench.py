@@ -98,8 +98,8 @@ async def _b_requests(router: str, prompts: list[list[int]], max_tokens: int) ->
         return [await _stream(channel, "B", p, max_tokens, retry=False) for p in prompts]
 
 
-async def _burst_and_b(router: str, a_prompts: list[list[int]], a_tokens: int, b_prompts: list[list[int]],
-                       b_tokens: int) -> tuple[list[dict], list[dict], float]:
+async def _burst_and_b(router: str, metrics: dict | str, a_prompts: list[list[int]], a_tokens: int,
+                       b_prompts: list[list[int]], b_tokens: int) -> tuple[list[dict], list[dict], float]:
     """A's streams at once (one channel each); once A's first tokens flow, B's requests one by one.
     (A's results, B's results, seconds from the burst to B's first call)."""
     import grpc
@@ -108,7 +108,7 @@ async def _burst_and_b(router: str, a_prompts: list[list[int]], a_tokens: int, b
         await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in channels)), 60)
         started = time.perf_counter()
         burst = [asyncio.ensure_future(_stream(c, "A", p, a_tokens, retry=True)) for c, p in zip(channels, a_prompts)]
-        first = asyncio.ensure_future(_first_token_of_a(router))
+        first = asyncio.ensure_future(_first_token_of_a(metrics))
         done, _ = await asyncio.wait([first, *burst], return_when=asyncio.FIRST_COMPLETED)
         b_at = time.perf_counter() - started
         b = await _b_requests(router, b_prompts, b_tokens)
@@ -119,22 +119,14 @@ async def _burst_and_b(router: str, a_prompts: list[list[int]], a_tokens: int, b
         await asyncio.gather(*(c.close() for c in channels))
 
 
-async def _first_token_of_a(router: str) -> None:
+async def _first_token_of_a(metrics: dict | str) -> None:
     """Until the router has streamed a first token to A (its per-tenant TTFT histogram counts one)."""
     from ember.cluster.status import scrape
-    metrics = router_metrics_address(router)
     while True:
         families = await asyncio.to_thread(scrape, metrics)
         if _sample(families, "ember:tenant_time_to_first_token_seconds_count", tenant="A") >= 1:
             return
         await asyncio.sleep(0.05)
-
-
-_METRICS: dict[str, str] = {}
-
-
-def router_metrics_address(router: str) -> str:
-    return _METRICS[router]
 
 
 def _sample(samples: dict[str, float], name: str, **labels) -> float:
@@ -172,7 +164,6 @@ def quota_check(http: str, prompt_text_tokens: list[int], tok) -> dict:
 def measure(router: str, http: str, metrics: str, tok, clients: int, a_tokens: int, b_requests: int,
             b_tokens: int, quota_prompt: list[int]) -> dict:
     from ember.cluster.status import scrape
-    _METRICS[router] = metrics
     tag = time.strftime("%H%M%S")
     asyncio.run(_b_requests(router, prompt_ids(tok, f"warm{tag}", 2), b_tokens))  # one-time costs
     progress(f"B alone: {b_requests} requests one after another")
@@ -180,7 +171,7 @@ def measure(router: str, http: str, metrics: str, tok, clients: int, a_tokens: i
     progress(f"A's burst of {clients} streams x {a_tokens} tokens, B's {b_requests} requests meanwhile")
     before = scrape(metrics)
     started = time.perf_counter()
-    a, b, b_at = asyncio.run(_burst_and_b(router, prompt_ids(tok, f"a{tag}", clients), a_tokens,
+    a, b, b_at = asyncio.run(_burst_and_b(router, metrics, prompt_ids(tok, f"a{tag}", clients), a_tokens,
                                           prompt_ids(tok, f"bload{tag}", b_requests), b_tokens))
     burst_s = time.perf_counter() - started
     after = scrape(metrics)
