@@ -19,10 +19,12 @@ class RedisServer:
     def __init__(self, port: int, workdir: Path, tls: Path | None = None, aclfile: Path | None = None):
         self.port, self.workdir, self.tls, self.aclfile = port, workdir, tls, aclfile
         self.url = f"{'rediss' if tls else 'redis'}://127.0.0.1:{port}/0"
+        self.log = workdir / f"redis-{port}.log"  # what the server says, refusals included
         self.proc: subprocess.Popen | None = None
 
     def argv(self, binary: str) -> list[str]:
-        argv = [binary, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.workdir)]
+        argv = [binary, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(self.workdir),
+                "--logfile", str(self.log)]
         if self.tls is None:
             argv += ["--port", str(self.port)]
         else:

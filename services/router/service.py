@@ -111,19 +111,30 @@ class StreamStalled(Exception):
         return str(self)
 
 
-async def _messages(stream, stall_timeout_s: float):
+async def _messages(stream, stall_timeout_s: float, answers=None):
     """The stream's messages; StreamStalled when, after the first, none arrives within
     `stall_timeout_s` (the first may wait in the worker's queue or on a prefill: the deadline
-    bounds that)."""
+    bounds that) and the worker does not answer `answers()` either (its health check). A worker
+    that answers is slow, not gone (a saturated host, a step prefilling other streams' migrated
+    contexts): the stream waits on, and only the request's deadline bounds it."""
     it, first = stream.__aiter__(), True
     while True:
+        nxt = asyncio.ensure_future(it.__anext__())  # waited on, never cancelled by a timeout
         try:
-            yield await asyncio.wait_for(it.__anext__(), None if first else stall_timeout_s)
-            first = False
+            while not (await asyncio.wait({nxt}, timeout=None if first else stall_timeout_s))[0]:
+                if answers is None or not await answers():
+                    raise StreamStalled(f"no message for {stall_timeout_s:g} s and no answer to its health check")
+                log.warning("a decode stream sent nothing for %g s; its worker answers its health check: "
+                            "waiting on", stall_timeout_s)
+        except BaseException:
+            nxt.cancel()
+            raise
+        try:
+            message = nxt.result()
         except StopAsyncIteration:
             return
-        except TimeoutError as e:
-            raise StreamStalled(f"no message for {stall_timeout_s:g} s") from e
+        first = False
+        yield message
 
 
 def worker_failed(e: grpc.aio.AioRpcError) -> bool:
@@ -434,7 +445,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 site = worker.site
                 self.load.decode_running[site] = self.load.decode_running.get(site, 0) + 1
                 try:
-                    async for d in _messages(stream, self.stall_timeout_s):
+                    async for d in _messages(stream, self.stall_timeout_s, lambda w=worker: self.workers.answers(w)):
                         now = time.perf_counter()
                         if d.token_ids:
                             if colocated_s:
@@ -503,6 +514,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     placement.reason += f"; decode moved to {site}: no live decode worker at {placement.decode_site}"
                     placement.decode_site = site
                     break
+        if worker is None and failed:  # one that failed this request but is live again beats refusing it
+            worker = self.workers.pick("decode", placement.decode_site) or next(
+                (w for site in self.workers.sites_with_live("decode") if (w := self.workers.pick("decode", site))),
+                None)
         if worker is None:
             raise unavailable("no live decode worker: every decode worker is down or still loading")
         return worker

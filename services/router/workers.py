@@ -127,6 +127,16 @@ class WorkerPool:
             log.warning("%s is %s", worker.name, "live again" if serving else "not serving")
         worker.live = serving
 
+    async def answers(self, worker: Worker) -> bool:
+        """Whether `worker` answers its health check SERVING within HEALTH_TIMEOUT_S now (its link and
+        its service are up), without changing what the pool thinks of it."""
+        try:
+            stub = health_pb2_grpc.HealthStub(self._connect(worker))
+            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
     async def check_all(self, role: str | None = None) -> None:
         await asyncio.gather(*(self.check(w) for w in self.everyone() if role is None or w.role == role))
 
