@@ -183,6 +183,14 @@ def openai_client(http_address: str):
     return openai.OpenAI(base_url=f"http://{http_address}/v1", api_key="unused", max_retries=0, timeout=180)
 
 
+# -- a measurement can have the host to itself (tests/host_lock.py): every item holds it shared ---------
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    from tests.host_lock import shared
+    with shared():
+        return (yield)
+
+
 # -- durations kept: `make test` sets EMBER_TEST_DURATIONS, .ci/run prints the file --------------------
 _durations: dict[str, float] = {}
 

@@ -18,8 +18,9 @@ import pytest
 from ember.bench import tenants_bench
 from ember.cluster.launcher import default_config, running
 from ember.model.tokenizer import Tokenizer
+from tests.host_lock import host_to_itself
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # (may wait for the other worker's test)
 MAX_INFLIGHT = 16
 CLIENTS, A_TOKENS, B_REQUESTS, B_TOKENS = 64, 32, 6, 16
 ROUNDS = 3  # a round whose B ratio misses is measured again (up to twice): a busy host slows B alone too
@@ -36,11 +37,14 @@ def measured(tmp_path_factory, model_path):
         services = json.loads((run_dir / "services.json").read_text())
         router, metrics = services["router"]["address"], services["router"]["metrics"]
         rounds = []
-        for _ in range(ROUNDS):
-            rounds.append(tenants_bench.measure(router, cfg.router.http, metrics, tok, CLIENTS, A_TOKENS,
-                                                B_REQUESTS, B_TOKENS, quota_prompt))
-            if rounds[-1]["b_ttft_p50_ratio"] is not None and rounds[-1]["b_ttft_p50_ratio"] <= 2.0:
-                break
+        # B alone, then B under the burst: a ratio over time, so the other xdist worker's tests must not
+        # land in one phase only (CI went red on 2.5x with them running): the host is this test's alone
+        with host_to_itself():
+            for _ in range(ROUNDS):
+                rounds.append(tenants_bench.measure(router, cfg.router.http, metrics, tok, CLIENTS, A_TOKENS,
+                                                    B_REQUESTS, B_TOKENS, quota_prompt))
+                if rounds[-1]["b_ttft_p50_ratio"] is not None and rounds[-1]["b_ttft_p50_ratio"] <= 2.0:
+                    break
         yield rounds
 
 
