@@ -504,23 +504,26 @@ class RouterService(router_pb2_grpc.RouterServicer):
 
 
     async def _decode_worker(self, placement, failed: tuple[Worker, ...]) -> Worker:
-        """A live decode worker at the placed site, else at another decode site; UNAVAILABLE at once
-        when there is none."""
-        worker = await self.workers.pick_or_recheck("decode", placement.decode_site, exclude=failed)
-        if worker is None:
-            for site in self.workers.sites_with_live("decode"):
-                worker = self.workers.pick("decode", site, exclude=failed)
-                if worker is not None:
-                    placement.reason += f"; decode moved to {site}: no live decode worker at {placement.decode_site}"
-                    placement.decode_site = site
-                    break
-        if worker is None and failed:  # one that failed this request but is live again beats refusing it
-            worker = self.workers.pick("decode", placement.decode_site) or next(
-                (w for site in self.workers.sites_with_live("decode") if (w := self.workers.pick("decode", site))),
-                None)
+        """A live decode worker at the placed site, else at another decode site; at last one that failed
+        this request but is live again (it answered its health check since), rather than refusing it;
+        UNAVAILABLE at once when there is none."""
+        worker = (await self.workers.pick_or_recheck("decode", placement.decode_site, exclude=failed)
+                  or self._live_decode_worker(placement, failed) or self._live_decode_worker(placement, ()))
         if worker is None:
             raise unavailable("no live decode worker: every decode worker is down or still loading")
         return worker
+
+    def _live_decode_worker(self, placement, exclude: tuple[Worker, ...]) -> Worker | None:
+        """The least-loaded live decode worker not in `exclude` at the placed site, else at another site
+        (the placement then says the decode moved)."""
+        for site in [placement.decode_site, *self.workers.sites_with_live("decode")]:
+            worker = self.workers.pick("decode", site, exclude=exclude)
+            if worker is not None:
+                if site != placement.decode_site:
+                    placement.reason += f"; decode moved to {site}: no live decode worker at {placement.decode_site}"
+                    placement.decode_site = site
+                return worker
+        return None
 
     async def _prefill(self, prefill_req, placement, estimate_s: float, context):
         """Prefill on a live worker of the placed site, trying the next one when a worker fails;

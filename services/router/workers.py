@@ -109,11 +109,15 @@ class WorkerPool:
                 w.others_running = others.get(w.address, 0)
 
     # -- health ----------------------------------------------------------------------------
+    async def _serving(self, worker: Worker) -> bool:
+        """Its health answer within HEALTH_TIMEOUT_S: SERVING or not (AioRpcError: no answer)."""
+        stub = health_pb2_grpc.HealthStub(self._connect(worker))
+        reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
     async def check(self, worker: Worker) -> None:
         try:
-            stub = health_pb2_grpc.HealthStub(self._connect(worker))
-            status = (await stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)).status
-            serving = status == health_pb2.HealthCheckResponse.SERVING
+            serving = await self._serving(worker)
             worker.slow_checks = 0
         except grpc.aio.AioRpcError as e:
             # A slow answer on a saturated host is not a dead worker (that was marking a busy
@@ -131,11 +135,9 @@ class WorkerPool:
         """Whether `worker` answers its health check SERVING within HEALTH_TIMEOUT_S now (its link and
         its service are up), without changing what the pool thinks of it."""
         try:
-            stub = health_pb2_grpc.HealthStub(self._connect(worker))
-            reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=HEALTH_TIMEOUT_S)
+            return await self._serving(worker)
         except grpc.aio.AioRpcError:
             return False
-        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def check_all(self, role: str | None = None) -> None:
         await asyncio.gather(*(self.check(w) for w in self.everyone() if role is None or w.role == role))
