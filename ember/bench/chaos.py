@@ -306,7 +306,8 @@ def main(args) -> int:
                     result["scenarios"]["prefill_kill"] = prefill_kill(cluster, long("prefill"), long("prefill base"),
                                                                        8)
                 if "kvstore_kill" in wanted:
-                    for store in cluster.names("kvstore"):
+                    # --quick: one store (tests/test_fault_tolerance.py kills each under load)
+                    for store in cluster.names("kvstore")[-1:] if args.quick else cluster.names("kvstore"):
                         progress(f"kvstore_kill: SIGKILL and restart {store} under load")
                         n = max(4, streams // 2)
                         result["scenarios"][f"kvstore_kill_{store.removeprefix('kvstore-')}"] = kvstore_kill(

@@ -31,18 +31,19 @@ from ember.kv.chunks import split
 from ember.v1 import kvstore_pb2
 
 RTT_MS, GBPS, PROMPT_TOKENS = 60.0, 1.0, 2048
+QUICK_PROMPT_TOKENS = 512  # --quick: a smoke run
 MODES = ("raw", "planes", "auto")
 
 
-def default_kv(model: str, threads: int) -> tuple[wire.FrameHeader, list[bytes]]:
-    """The shipped default engine's KV blocks (bf16) of a 2,048-token English prompt."""
+def default_kv(model: str, threads: int, tokens: int = PROMPT_TOKENS) -> tuple[wire.FrameHeader, list[bytes]]:
+    """The shipped default engine's KV blocks (bf16) of a `tokens`-token English prompt."""
     from ember.bench.kv_bench import english_prompt
     from ember.engine.config import EngineConfig
     from ember.engine.engine import LLMEngine
     from ember.engine.sampling_params import SamplingParams
     from ember.kv.block_hash import chain_hashes
     engine = LLMEngine(EngineConfig(model=model, threads=threads, kv_cache_mb=256))
-    ids = engine.tokenizer.encode(english_prompt(60))[:PROMPT_TOKENS]
+    ids = engine.tokenizer.encode(english_prompt(60))[:tokens]
     engine.generate([ids], SamplingParams(max_tokens=1))
     hashes = chain_hashes(ids, engine.config.block_size, engine.block_manager.root_hash)
     return engine.frame_template, engine.export_blocks(hashes)
@@ -130,8 +131,9 @@ def edge_config(run_dir: Path, name: str, codec: str, capacity_mb: int, source: 
 
 def main(args) -> int:
     threads = args.threads or 2
-    progress(f"real KV of a {PROMPT_TOKENS}-token prompt (default engine: q4 weights, bf16 KV)")
-    template, payloads = default_kv(args.model, threads)
+    tokens = QUICK_PROMPT_TOKENS if args.quick else PROMPT_TOKENS
+    progress(f"real KV of a {tokens}-token prompt (default engine: q4 weights, bf16 KV)")
+    template, payloads = default_kv(args.model, threads, tokens)
     frame_bytes = wire.frame_bytes(template.raw_len)
     total_mb = len(payloads) * frame_bytes / 2**20
     reps = 2 if args.quick else 4

@@ -49,8 +49,9 @@ def _fit(short: float, long: float, single: float, eight: float, cv: float) -> d
             "max_batch": 16, "service_cv": round(min(2.0, cv), 3)}
 
 
-def measure_profile(model: str, threads: int) -> dict:
-    """The engine alone, in this process: the first cluster's profile (its placer's prices)."""
+def measure_profile(model: str, threads: int, reps: int = 2) -> dict:
+    """The engine alone, in this process: the first cluster's profile (its placer's prices); `reps`
+    timings of a long prefill and of each decode batch, twice that of a short prefill."""
     from ember.engine.config import EngineConfig
     from ember.engine.engine import LLMEngine
     from ember.engine.sampling_params import SamplingParams
@@ -63,14 +64,14 @@ def measure_profile(model: str, threads: int) -> dict:
         engine.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
         return time.perf_counter() - start
     run(1, 64, 1)
-    shorts = [run(1, 256, 1) for _ in range(4)]
-    long = min(run(1, 1024, 1) for _ in range(2))
-    single, eight = ((min(run(b, 32, 18) - run(b, 32, 2) for _ in range(2))) / 16 for b in (1, 8))
+    shorts = [run(1, 256, 1) for _ in range(2 * reps)]
+    long = min(run(1, 1024, 1) for _ in range(reps))
+    single, eight = ((min(run(b, 32, 18) - run(b, 32, 2) for _ in range(reps))) / 16 for b in (1, 8))
     return _fit(min(shorts), long, max(1e-4, single), max(1e-4, eight),
                 statistics.pstdev(shorts) / statistics.fmean(shorts))
 
 
-def measure_served_profile(router: str, hop_s: dict[str, float]) -> dict:
+def measure_served_profile(router: str, hop_s: dict[str, float], reps: int = 2) -> dict:
     """The engines as the cluster serves them (their service, the kvstore write-back, the cores
     they share with everything else): prefill from the router's TTFT (less the hop to a remote
     prefill site), decode steps from the gaps between streamed tokens, one stream and eight at
@@ -106,9 +107,9 @@ def measure_served_profile(router: str, hop_s: dict[str, float]) -> dict:
         with ThreadPoolExecutor(streams) as pool:
             return statistics.median(pool.map(step, prompts))
     one(64, 4)
-    shorts = [prefill_s(256) for _ in range(4)]
-    long = min(prefill_s(1024) for _ in range(2))
-    single, eight = min(step_s(1) for _ in range(2)), step_s(8)
+    shorts = [prefill_s(256) for _ in range(2 * reps)]
+    long = min(prefill_s(1024) for _ in range(reps))
+    single, eight = min(step_s(1) for _ in range(reps)), step_s(8)
     return _fit(min(shorts), long, single, eight, statistics.pstdev(shorts) / statistics.fmean(shorts))
 
 
@@ -192,21 +193,23 @@ def _cluster(data: dict):
 def main(args) -> int:
     threads = args.threads or 2
     progress("measuring this machine's hardware profile")
-    profile = measure_profile(args.model, threads)
+    reps = 1 if args.quick else 2  # --quick: a smoke run (its figures say nothing)
+    profile = measure_profile(args.model, threads, reps)
     progress(f"profile: {profile}")
     data = cluster_config(str(Path(args.model).resolve()), profile, threads)
     config = ClusterConfig.model_validate(data)
     regions = [r.name for r in config.regions]
     # --quick: a smoke run (a few sessions, replayed on the first cluster: its figures say nothing)
-    sessions_per_s, duration = (0.3, 10) if args.quick else (0.1, 480)  # 141 requests; the rig below saturation
+    sessions_per_s, duration, system, context = (0.3, 10, (100, 300), 800) if args.quick else \
+        (0.1, 480, (300, 900), 2200)  # 141 requests; the rig below saturation
     trace = traces.agentic(regions, None, sessions_per_s=sessions_per_s, duration_s=duration, mean_turns=4,
-                           system_tokens=(300, 900), max_context=2200, max_output=12, tool_scale=0.3, seed=5)
+                           system_tokens=system, max_context=context, max_output=12, tool_scale=0.3, seed=5)
     progress(f"trace: {len(trace)} requests in {len({r.session for r in trace})} sessions")
     progress("starting the 3-site cluster behind emulated links, to measure its engines as served")
     with contextlib.ExitStack() as cluster:
         cluster.enter_context(_cluster(data))
         hops = {link["a"]: link["rtt_ms"] / 1e3 for link in data["links"] if link["b"] == "west"}
-        served = measure_served_profile(data["router"]["listen"], hops)
+        served = measure_served_profile(data["router"]["listen"], hops, reps)
         progress(f"served profile: {served}")
         data["hardware"]["measured"] = served
         config = ClusterConfig.model_validate(data)

@@ -28,6 +28,7 @@ import yaml
 from ember.bench.measure import progress, write_result
 
 PROMPT_TOKENS = 1000
+QUICK_PROMPT_TOKENS = 256  # --quick: a smoke run
 MODES = ("mtls", "plaintext")
 
 
@@ -88,14 +89,15 @@ def main(args) -> int:
     model = str(Path(args.model).resolve())
     source = Path(args.cluster_config).resolve() if args.cluster_config else default_config()
     tok = Tokenizer.from_folder(model_folder(model))
-    rounds, num_prompts, num_blocks = (1, 2, 32) if args.quick else (2, 4, 128)
-    words = tok.decode(list(range(1000, 1000 + PROMPT_TOKENS)))  # varied text, re-tokenized below
+    rounds, num_prompts, num_blocks, length = (1, 2, 32, QUICK_PROMPT_TOKENS) if args.quick else \
+        (2, 4, 128, PROMPT_TOKENS)
+    words = tok.decode(list(range(1000, 1000 + length)))  # varied text, re-tokenized below
     samples = {m: {"pull_GBps": [], "ttft_s": [], "tokens": []} for m in MODES}
     started = time.monotonic()
     layout = None
     for r in range(rounds):
         # the same fresh prompts for both modes in a round: uncached in each new cluster
-        prompts = [tok.encode(f"Round {r} prompt {i}: " + words)[:PROMPT_TOKENS] for i in range(num_prompts)]
+        prompts = [tok.encode(f"Round {r} prompt {i}: " + words)[:length] for i in range(num_prompts)]
         for mode in (MODES if r % 2 == 0 else MODES[::-1]):
             with tempfile.TemporaryDirectory() as tmp:
                 run_dir = Path(tmp)
@@ -104,7 +106,7 @@ def main(args) -> int:
                     if layout is None:
                         layout = model_facts(load_config(run_dir / "cluster.yaml")).kv_layout
                     template = wire.layout_header(layout, root_hash(layout))
-                    warm = [tok.encode(f"Warm-up {r} {mode}: " + words)[:PROMPT_TOKENS]]
+                    warm = [tok.encode(f"Warm-up {r} {mode}: " + words)[:length]]
                     ttfts(data["router"]["listen"], warm, 2)  # first-request costs out of the figure
                     gbps = [pull_GBps(run_dir, data, template, num_blocks) for _ in range(3)]
                     times, tokens = ttfts(data["router"]["listen"], prompts, 4)
@@ -118,7 +120,7 @@ def main(args) -> int:
     ttft_ratio = med["mtls"]["ttft_s"] / med["plaintext"]["ttft_s"]
     equal = samples["mtls"]["tokens"] == samples["plaintext"]["tokens"]
     result = {
-        "config": str(source), "model": model, "rounds": rounds, "prompt_tokens": PROMPT_TOKENS,
+        "config": str(source), "model": model, "rounds": rounds, "prompt_tokens": length,
         "blocks_per_pull": num_blocks, "block_bytes": layout.block_bytes if layout else None,
         "median": med, "samples": {m: {k: v for k, v in samples[m].items() if k != "tokens"} for m in MODES},
         "tokens_equal_across_modes": equal, "wall_s": round(time.monotonic() - started, 1),

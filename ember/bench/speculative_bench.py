@@ -63,13 +63,14 @@ PROMPTS = {
     "free": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 }
 SWEEP = (0, 1, 2, 3, 4)
+QUICK_SWEEP = (0, 2)  # --quick: a smoke run (each k is an engine built and loaded)
 
 
 def _chat_ids(tokenizer, text: str) -> list[int]:
     return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
 
 
-def sweep(model: str, max_tokens: int) -> dict:
+def sweep(model: str, max_tokens: int, ks: tuple[int, ...] = SWEEP) -> dict:
     from ember.cluster.launcher import default_config
     from ember.config.load import load_config
     from ember.config.services import engine_settings
@@ -79,7 +80,7 @@ def sweep(model: str, max_tokens: int) -> dict:
     config.model = model
     settings = engine_settings(config, "decode", config.placement.decode_site)[1]
     out = {}
-    for k in SWEEP:
+    for k in ks:
         engine = LLMEngine(settings.model_copy(update={"speculative_tokens": k}))
         row = {}
         for name, text in PROMPTS.items():
@@ -102,7 +103,7 @@ def sweep(model: str, max_tokens: int) -> dict:
         out[k] = row
         progress(f"k={k}: " + ", ".join(f"{n} {r['decode_tok_per_s']} tok/s (accepted {r['accepted']}/{r['drafts']})"
                                         for n, r in row.items()))
-    for k in reversed(SWEEP):  # k=0 last: its tokens are the reference
+    for k in reversed(ks):  # k=0 last: its tokens are the reference
         for name, r in out[k].items():
             r["same_tokens_as_k0"] = r["token_ids"] == out[0][name]["token_ids"]
     for row in out.values():
@@ -159,7 +160,7 @@ def main(args) -> int:
     model = str(Path(args.model).resolve())
     max_tokens, reps = (64, 1) if args.quick else (400, 3)
     progress("sweep: drafts per step, the default engine stepped directly")
-    result = {"max_tokens": max_tokens, "sweep": sweep(model, max_tokens)}
+    result = {"max_tokens": max_tokens, "sweep": sweep(model, max_tokens, QUICK_SWEEP if args.quick else SWEEP)}
     progress("served: the shipped local cluster, speculation off / on per request")
     result["served"] = served(model, max_tokens, reps)
     edit, free = result["served"]["edit"], result["served"]["free"]

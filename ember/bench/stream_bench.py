@@ -22,6 +22,7 @@ from ember.bench.measure import progress, write_result
 
 ROOT = Path(__file__).resolve().parents[2]
 RTT_MS, GBPS, PROMPT_TOKENS, NEW_TOKENS = 60.0, 1.0, 2048, 32
+QUICK_PROMPT_TOKENS = 384  # --quick: a smoke run (a 2,048-token prefill takes ~55 s on one thread of a slow host)
 
 
 def linked_config(run_dir: Path, stream: bool, model: str | None, engine: dict | None = None) -> Path:
@@ -41,7 +42,7 @@ def linked_config(run_dir: Path, stream: bool, model: str | None, engine: dict |
     return run_dir / "cluster.yaml"
 
 
-def _prompts(config_path: Path, count: int, first: int) -> list[list[int]]:
+def _prompts(config_path: Path, count: int, first: int, length: int) -> list[list[int]]:
     from ember.config.load import load_config
     from ember.model.files import model_folder
     from ember.model.tokenizer import Tokenizer
@@ -49,8 +50,8 @@ def _prompts(config_path: Path, count: int, first: int) -> list[list[int]]:
     body = english_prompt(80)
     out = []
     for i in range(first, first + count):
-        ids = tok.encode(f"Request {i}: read the log below.\n" + body)[:PROMPT_TOKENS]
-        assert len(ids) == PROMPT_TOKENS, len(ids)
+        ids = tok.encode(f"Request {i}: read the log below.\n" + body)[:length]
+        assert len(ids) == length, len(ids)
         out.append(ids)
     return out
 
@@ -83,12 +84,12 @@ def _decode_pulls(run_dir: Path, request_id: str) -> int | None:
     return None
 
 
-def _run(stream: bool, count: int, first: int, model: str | None) -> list[dict]:
+def _run(stream: bool, count: int, first: int, model: str | None, length: int) -> list[dict]:
     from ember.cluster.launcher import running
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp)
         config_path = linked_config(run_dir, stream, model)
-        prompts = _prompts(config_path, count + 1, first)
+        prompts = _prompts(config_path, count + 1, first, length)
         with running(config_path, run_dir, timeout_s=300):
             from ember.config.load import load_config
             router = load_config(config_path).router.listen
@@ -106,19 +107,19 @@ def _run(stream: bool, count: int, first: int, model: str | None) -> list[dict]:
 
 
 def main(args) -> int:
-    count, rounds = (1, 1) if args.quick else (3, 2)  # --quick: a smoke run
+    count, rounds, length = (1, 1, QUICK_PROMPT_TOKENS) if args.quick else (3, 2, PROMPT_TOKENS)
     runs: dict[str, list[dict]] = {"streamed": [], "not_streamed": []}
     first = 0
     for r in range(rounds):
         for name, stream in (("streamed", True), ("not_streamed", False)):
             progress(f"round {r + 1}/{rounds}: {name}")
-            runs[name] += _run(stream, count, first, args.model)
+            runs[name] += _run(stream, count, first, args.model, length)
             first += count + 1
     summary = {name: {key: statistics.median(row[key] for row in rows)
                       for key in ("gap_1_2_s", "tpot_s", "ttft_s", "transfer_s")} for name, rows in runs.items()}
     s, n = summary["streamed"], summary["not_streamed"]
     bound = RTT_MS / 1e3 + 2 * s["tpot_s"]
-    result = {"link": {"rtt_ms": RTT_MS, "gbps": GBPS}, "prompt_tokens": PROMPT_TOKENS, "new_tokens": NEW_TOKENS,
+    result = {"link": {"rtt_ms": RTT_MS, "gbps": GBPS}, "prompt_tokens": length, "new_tokens": NEW_TOKENS,
               "config": "configs/local.yaml (router at edge, emulated link)", "runs": runs, "median": summary,
               "targets": {"streamed gap token 1 -> 2 (s)": round(s["gap_1_2_s"], 3),
                           "RTT + 2 x TPOT (s)": round(bound, 3),
