@@ -19,6 +19,23 @@
 
 typedef float v16u __attribute__((vector_size(64), aligned(4)));  // sixteen floats at any float address
 
+// By vector width. AVX-512: sixteen-float vectors (v16) in 32 registers. AVX2 has 16 registers of
+// eight floats, and GCC lowers a v16 there through the stack (a scalar broadcast became sixteen
+// stores and a reload): the inner loops below use eight-float halves (v8) and smaller blocks that
+// fit the registers, and the key transpose is a plain copy. Each lane still runs the same sequence
+// of IEEE operations (lanes never mix in these loops), so the bits are the same on either build.
+#if defined(__AVX512F__)
+static const int QK_HEADS = 8;   // query heads scored per pass over a transposed key block
+static const int PV_HEADS = 3;   // query heads sharing each value row read
+static const int PV_CHUNKS = 4;  // sixteen-dim chunks of values per pass (4: 64 dims)
+#else
+static const int QK_HEADS = 4;   // 8 accumulators + 2 key halves + 1 broadcast: 11 of 16 registers
+static const int PV_HEADS = 2;   // 2 heads x 2 chunks x 2 halves + 4 value halves + 1: 13
+static const int PV_CHUNKS = 2;
+typedef float v8 __attribute__((vector_size(32)));
+typedef float v8u __attribute__((vector_size(32), aligned(4)));
+#endif
+
 template <bool BF16>
 static inline void load_row(const void* base, int64_t index, int64_t d, float* dst) {
     if (BF16) {
@@ -91,9 +108,60 @@ static inline void transpose16(v16* m) {  // m[16] rows -> columns, in registers
         if (!(r & 1)) STAGE(1, m[r], m[r + 1]);
 }
 
+// kt[d * 16 + l] = dim d of key j0 + l in fp32 (0 past the last key): one block of keys, transposed
+template <bool BF16>
+static inline void key_block(const void* k_cache, const int64_t* table, int64_t j0, int64_t num_keys, int64_t h,
+                             const Shape& s, float* kt) {
+    const int64_t D = s.head_dim, BS = s.block_size;
+#if defined(__AVX512F__)
+    for (int64_t d0 = 0; d0 < D; d0 += LANES) {  // sixteen keys x sixteen dims at a time, in registers
+        v16 m[LANES];
+        for (int64_t l = 0; l < LANES; ++l) {
+            const int64_t j = j0 + l;
+            if (j < num_keys) {
+                const int64_t slot = table[j / BS] * BS + j % BS;
+                m[l] = load16<BF16>(k_cache, (slot * s.kv_heads + h) * D + d0);
+            } else {
+                m[l] = splat(0.0f);
+            }
+        }
+        transpose16(m);
+        std::memcpy(kt + d0 * LANES, m, sizeof(m));
+    }
+#else  // a plain copy (transpose16's shuffles of sixteen-float vectors go through the stack on AVX2)
+    for (int64_t l = 0; l < LANES; ++l) {
+        const int64_t j = j0 + l;
+        if (j < num_keys) {
+            const int64_t at = ((table[j / BS] * BS + j % BS) * s.kv_heads + h) * D;
+            for (int64_t d = 0; d < D; ++d)
+                kt[d * LANES + l] = BF16 ? bf16_to_f32(((const uint16_t*)k_cache)[at + d]) : ((const float*)k_cache)[at + d];
+        } else {
+            for (int64_t d = 0; d < D; ++d) kt[d * LANES + l] = 0.0f;
+        }
+    }
+#endif
+}
+
 // Scores of NB query heads against sixteen keys (kt: [D, 16]); every accumulator sums over d in order
 template <int NB>
 static inline void qk_block(const float* q, const float* kt, int64_t D, float* out, int64_t out_stride) {
+#if !defined(__AVX512F__)
+    v8 lo[NB], hi[NB];
+    for (int b = 0; b < NB; ++b) lo[b] = hi[b] = (v8){};
+    for (int64_t d = 0; d < D; ++d) {
+        const v8 klo = *(const v8u*)(kt + d * LANES), khi = *(const v8u*)(kt + d * LANES + 8);
+        for (int b = 0; b < NB; ++b) {
+            const float qd = q[b * D + d];
+            lo[b] = lo[b] + qd * klo;
+            hi[b] = hi[b] + qd * khi;
+        }
+    }
+    for (int b = 0; b < NB; ++b) {
+        *(v8u*)(out + b * out_stride) = lo[b];
+        *(v8u*)(out + b * out_stride + 8) = hi[b];
+    }
+    return;
+#endif
     v16 a[NB];
     for (int b = 0; b < NB; ++b) a[b] = splat(0.0f);
     for (int64_t d = 0; d < D; ++d) {
@@ -109,6 +177,22 @@ static inline void qk_block(const float* q, const float* kt, int64_t D, float* o
 template <int NB, int CH>
 static inline void pv_block(const float* p, int64_t p_stride, int64_t seen, const float* vals, int64_t D,
                             float* res) {
+#if !defined(__AVX512F__)
+    v8 h[NB][2 * CH];  // sixteen-dim chunk c is halves 2c and 2c + 1
+    for (int b = 0; b < NB; ++b)
+        for (int c = 0; c < 2 * CH; ++c) h[b][c] = (v8){};
+    for (int64_t j = 0; j < seen; ++j) {
+        v8 x[2 * CH];
+        for (int c = 0; c < 2 * CH; ++c) x[c] = *(const v8u*)(vals + j * D + c * 8);
+        for (int b = 0; b < NB; ++b) {
+            const float pj = p[b * p_stride + j];
+            for (int c = 0; c < 2 * CH; ++c) h[b][c] = h[b][c] + pj * x[c];
+        }
+    }
+    for (int b = 0; b < NB; ++b)
+        for (int c = 0; c < 2 * CH; ++c) *(v8u*)(res + b * 64 + c * 8) = h[b][c];
+    return;
+#endif
     v16 a[NB][CH];
     for (int b = 0; b < NB; ++b)
         for (int c = 0; c < CH; ++c) a[b][c] = splat(0.0f);
@@ -145,23 +229,11 @@ static void tile_head(const void* q, const void* k_cache, const void* v_cache, c
         }
     // scores, sixteen keys at a time: kt[d] holds dim d of the sixteen keys
     for (int64_t j0 = 0; j0 < padded; j0 += LANES) {
-        for (int64_t d0 = 0; d0 < D; d0 += LANES) {
-            v16 m[LANES];
-            for (int64_t l = 0; l < LANES; ++l) {
-                const int64_t j = j0 + l;
-                if (j < num_keys) {
-                    const int64_t slot = table[j / BS] * BS + j % BS;
-                    m[l] = load16<KVBF16>(k_cache, (slot * Hkv + h) * D + d0);
-                } else {
-                    m[l] = splat(0.0f);
-                }
-            }
-            transpose16(m);
-            std::memcpy(kt + d0 * LANES, m, sizeof(m));
-        }
+        key_block<KVBF16>(k_cache, table, j0, num_keys, h, s, kt);
         // the query heads that see some key of the block, NB at a time: kt[d] is loaded once per NB
         int64_t r = (j0 > first_pos ? j0 - first_pos : 0) * G;
-        for (; r + 8 <= qrows; r += 8) qk_block<8>(qs + r * D, kt, D, scores + r * padded + j0, padded);
+        for (; r + QK_HEADS <= qrows; r += QK_HEADS)
+            qk_block<QK_HEADS>(qs + r * D, kt, D, scores + r * padded + j0, padded);
         switch (qrows - r) {  // the rest in one block (a decode's three heads: one block of 3)
             case 7: qk_block<7>(qs + r * D, kt, D, scores + r * padded + j0, padded); break;
             case 6: qk_block<6>(qs + r * D, kt, D, scores + r * padded + j0, padded); break;
@@ -202,18 +274,21 @@ static void tile_head(const void* q, const void* k_cache, const void* v_cache, c
         const int64_t slot = table[j / BS] * BS + j % BS;
         load_row<KVBF16>(v_cache, slot * Hkv + h, D, vals + j * D);
     }
-    float res[3 * 64];
+    float res[PV_HEADS * 64];
+    const int64_t pass = PV_CHUNKS * LANES;  // dims of values one pv_block pass covers
     for (int64_t i = 0; i < rows; ++i) {
         const int64_t seen = first_pos + i + 1;
-        for (int64_t g0 = 0; g0 < G; g0 += 3) {  // up to three query heads share each value row read
-            const int64_t nb = G - g0 < 3 ? G - g0 : 3;
+        for (int64_t g0 = 0; g0 < G; g0 += PV_HEADS) {  // up to PV_HEADS query heads share each value row read
+            const int64_t nb = G - g0 < PV_HEADS ? G - g0 : PV_HEADS;
             const float* p = scores + (i * G + g0) * padded;
             for (int64_t d0 = 0; d0 < D; d0 += 64) {
                 const int64_t width = D - d0 < 64 ? D - d0 : 64;  // D % 16 == 0
                 if (width == 64) {
-                    if (nb == 3) pv_block<3, 4>(p, padded, seen, vals + d0, D, res);
-                    else if (nb == 2) pv_block<2, 4>(p, padded, seen, vals + d0, D, res);
-                    else pv_block<1, 4>(p, padded, seen, vals + d0, D, res);
+                    for (int64_t c0 = 0; c0 < 64; c0 += pass) {  // res[b * 64 + c0 + ...]
+                        if (nb == 3) pv_block<3, PV_CHUNKS>(p, padded, seen, vals + d0 + c0, D, res + c0);
+                        else if (nb == 2) pv_block<2, PV_CHUNKS>(p, padded, seen, vals + d0 + c0, D, res + c0);
+                        else pv_block<1, PV_CHUNKS>(p, padded, seen, vals + d0 + c0, D, res + c0);
+                    }
                 } else {
                     for (int64_t b = 0; b < nb; ++b)
                         for (int64_t c = 0; c < width; c += LANES)

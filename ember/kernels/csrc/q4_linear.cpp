@@ -146,12 +146,71 @@ static inline void tile(const QuantRows& x, const uint8_t* codes, const uint16_t
         }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(__AVX512F__)
+#define Q4_AVX2 1
+// R rows times one quad on AVX2 (where tile()'s sixteen-lane integer vectors go through the stack and
+// its dot4 is four shifts, masks and 32-bit multiplies a byte). Eight outputs at a time: vpmaddubsw
+// multiplies code bytes by the row's int8 inputs and adds pairs (|pair| <= 2 * 15 * 127, a low and
+// a high pair <= 7,620: exact in int16), vpmaddwd adds those to int32, so isum is tile()'s lo + hi
+// sum exactly; then per lane the same float steps in the same order: the same bits.
+template <int R>
+static inline void quad_avx2(const QuantRows& x, const uint8_t* codes, const uint16_t* dm, uint16_t* y,
+                             int64_t N) {
+    alignas(32) float acc[R][QUAD];
+    for (int r = 0; r < R; ++r)
+        for (int o = 0; o < QUAD; ++o) acc[r][o] = 0.0f;
+    const __m256i nibble = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int64_t g = 0; g < x.groups; ++g) {
+        const uint16_t* dmg = dm + g * 2 * QUAD;
+        for (int h = 0; h < QUAD / 8; ++h) {  // outputs 8h .. 8h + 7: panel h / 2, dwords 8 (h % 2) ..
+            __m256i isum[R];
+            for (int r = 0; r < R; ++r) isum[r] = _mm256_setzero_si256();
+            for (int t = 0; t < 4; ++t) {  // inputs 32g + 8t .. + 7
+                const __m256i v = _mm256_loadu_si256(
+                    (const __m256i*)(codes + ((g * 4 + t) * 4 + h / 2) * 64 + (h % 2) * 32));
+                const __m256i lo = _mm256_and_si256(v, nibble);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble);
+                for (int r = 0; r < R; ++r) {
+                    const int8_t* x8 = x.xq + r * x.K + g * 32 + t * 8;
+                    int32_t a, b;
+                    std::memcpy(&a, x8, 4);
+                    std::memcpy(&b, x8 + 4, 4);
+                    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(a)),
+                                                           _mm256_maddubs_epi16(hi, _mm256_set1_epi32(b)));
+                    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs, ones));
+                }
+            }
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dmg + h * 8)));
+            const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dmg + QUAD + h * 8)));
+            for (int r = 0; r < R; ++r) {
+                const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(x.dx[r * x.groups + g]));
+                float* a = acc[r] + h * 8;
+                const __m256 inner = _mm256_fmadd_ps(scale, _mm256_cvtepi32_ps(isum[r]), _mm256_load_ps(a));
+                _mm256_store_ps(a, _mm256_fmadd_ps(m, _mm256_set1_ps(x.xsum[r * x.groups + g]), inner));
+            }
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int o = 0; o < QUAD; ++o) y[r * N + o] = f32_to_bf16(acc[r][o]);
+}
+#endif
+
 // R rows (from row `row` of x) times the quads [begin, end)
 template <int R, int P>
 static inline void rows_times_quads(const QuantRows& x, int64_t row, const uint8_t* codes, const uint16_t* dm,
                                     uint16_t* y, int64_t N, int64_t begin, int64_t end) {
     const QuantRows rx{x.xq + row * x.K, x.dx + row * x.groups, x.xsum + row * x.groups, x.K, x.groups};
     const int64_t quad_codes = x.K / 2 * QUAD, quad_dm = x.groups * 2 * QUAD;
+#if defined(Q4_AVX2)
+    if constexpr (R > 4) {  // four rows' integer sums fill AVX2's registers
+        rows_times_quads<4, P>(x, row, codes, dm, y, N, begin, end);
+        rows_times_quads<R - 4, P>(x, row + 4, codes, dm, y, N, begin, end);
+    } else {
+        for (int64_t quad = begin; quad < end; ++quad)
+            quad_avx2<R>(rx, codes + quad * quad_codes, dm + quad * quad_dm, y + row * N + quad * QUAD, N);
+    }
+    return;
+#endif
     for (int64_t quad = begin; quad < end; ++quad)
         for (int first = 0; first < 4; first += P)
             tile<R, P>(rx, codes + quad * quad_codes, dm + quad * quad_dm, first, y + row * N + quad * QUAD, N);
