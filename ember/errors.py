@@ -17,3 +17,10 @@ class IntegrityError(ValueError):
 
 class NotFoundError(LookupError):
     """A block or lease the request names is not there (NOT_FOUND)."""
+
+
+class FrameError(ValueError):
+    """A KV frame (ember.kv.wire) this reader cannot use (INVALID_ARGUMENT), or damaged (its
+    CorruptFrame subclass: DATA_LOSS). Here, not in the wire module, so a service that only maps
+    errors to statuses (the router) never imports the codec and numpy."""
+    status = "INVALID_ARGUMENT"

@@ -134,6 +134,14 @@ def test_bookkeeping_modules_do_not_import_torch():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
+def test_the_router_starts_without_numpy_or_redis():
+    """Start-up CPU (issue 32): the router's process imports redis (~0.3 s) only for a configured Redis
+    and numpy only where a link is priced; a module-level import of either is back on every start."""
+    code = "import sys\nimport ember.services.router.__main__\n" \
+        "assert not {'numpy', 'redis'} & set(sys.modules), sorted({'numpy', 'redis'} & set(sys.modules))\n"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
 def test_ember_never_imports_services():
     # `services` too: the folder's old top-level package name
     assert violations("ember", lambda m: is_under(m, "ember.services", "services")) == []

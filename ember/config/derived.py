@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ember.config.schema import ClusterConfig
-from ember.kv import codec
 from ember.kv.block_hash import KVLayout
 from ember.model.args import read_model_args
 from ember.model.files import folder_fingerprint, layout_of, model_folder, resolve_serving, weights_fingerprint
@@ -58,6 +57,7 @@ def link_codec_saving(config: ClusterConfig, bandwidth_gbps: float, element_byte
 def kvstore_codec_saving(config: ClusterConfig, bandwidth_gbps: float, element_bytes: int) -> float:
     """What the kvstores' codec really saves on a link of this bandwidth (the simulator's truth;
     the placer may be told otherwise by placement.codec_saving)."""
+    from ember.kv import codec  # (numpy: the router imports it only where a link is priced)
     mode = config.kvstore.codec
     if mode == "planes" or (mode == "auto" and codec.worth_it(bandwidth_gbps / 8, element_bytes)):
         return codec.SAVING.get(element_bytes, 0.0)

@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 
 import xxhash
 
+from ember.errors import FrameError
 from ember.kv import codec
 from ember.kv.block_hash import HASH_BYTES, KVLayout
 
@@ -63,10 +64,6 @@ LATENT = 0x01  # flags: one plane a layer (KVLayout.planes == 1)
 _HEADER = struct.Struct(f"<4sBBBBHHHH{HASH_BYTES}s{HASH_BYTES}sQQQ{NONCE_BYTES}s{MAC_BYTES}s")
 HEADER_BYTES = _HEADER.size
 _MAX_RAW = 1 << 30
-
-
-class FrameError(ValueError):
-    status = "INVALID_ARGUMENT"
 
 
 class LayoutMismatch(FrameError):

@@ -10,8 +10,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from opentelemetry import trace
 
-from ember.errors import CapacityError, IntegrityError, InvalidRequestError, NotFoundError
-from ember.kv import wire
+from ember.errors import CapacityError, FrameError, IntegrityError, InvalidRequestError, NotFoundError
 from ember.rpc import logs, metrics, tracing
 
 log = logging.getLogger("ember.rpc")
@@ -55,7 +54,7 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return code, f"{exc.details()}"
     if isinstance(exc, IntegrityError):
         return grpc.StatusCode.DATA_LOSS, str(exc)
-    if isinstance(exc, wire.FrameError):  # damaged -> DATA_LOSS, not ours / wrong layout -> INVALID_ARGUMENT
+    if isinstance(exc, FrameError):  # damaged -> DATA_LOSS, not ours / wrong layout -> INVALID_ARGUMENT
         return getattr(grpc.StatusCode, exc.status), f"KV block refused: {exc}"
     if isinstance(exc, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
