@@ -34,10 +34,42 @@ static const int PV_HEADS = 2;   // 2 heads x 2 chunks x 2 halves + 4 value halv
 static const int PV_CHUNKS = 2;
 typedef float v8 __attribute__((vector_size(32)));
 typedef float v8u __attribute__((vector_size(32), aligned(4)));
+#include <immintrin.h>
+
+template <bool BF16>
+static inline __m256 load8(const void* base, int64_t offset) {  // 8 elements from base + offset, as fp32
+    if (BF16) {
+        const __m128i h = _mm_loadu_si128((const __m128i*)((const uint16_t*)base + offset));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float*)base + offset);
+}
+
+static inline void transpose8(__m256* r) {  // r[8] rows -> columns (exact moves)
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xee);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xee);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
 #endif
 
 template <bool BF16>
 static inline void load_row(const void* base, int64_t index, int64_t d, float* dst) {
+#if !defined(__AVX512F__)
+    for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load8<BF16>(base, index * d + i));
+    return;
+#endif
     if (BF16) {
         const uint16_t* src = (const uint16_t*)base + index * d;
         for (int64_t i = 0; i < d; i += LANES) {  // d % 16 == 0 (checked by the callers)
@@ -128,15 +160,18 @@ static inline void key_block(const void* k_cache, const int64_t* table, int64_t 
         transpose16(m);
         std::memcpy(kt + d0 * LANES, m, sizeof(m));
     }
-#else  // a plain copy (transpose16's shuffles of sixteen-float vectors go through the stack on AVX2)
-    for (int64_t l = 0; l < LANES; ++l) {
-        const int64_t j = j0 + l;
-        if (j < num_keys) {
-            const int64_t at = ((table[j / BS] * BS + j % BS) * s.kv_heads + h) * D;
-            for (int64_t d = 0; d < D; ++d)
-                kt[d * LANES + l] = BF16 ? bf16_to_f32(((const uint16_t*)k_cache)[at + d]) : ((const float*)k_cache)[at + d];
-        } else {
-            for (int64_t d = 0; d < D; ++d) kt[d * LANES + l] = 0.0f;
+#else  // eight keys x eight dims at a time (transpose16's sixteen-float shuffles go through the stack on AVX2)
+    for (int64_t l0 = 0; l0 < LANES; l0 += 8) {
+        int64_t at[8];  // each key's first element, or -1 past the last key
+        for (int64_t l = 0; l < 8; ++l) {
+            const int64_t j = j0 + l0 + l;
+            at[l] = j < num_keys ? ((table[j / BS] * BS + j % BS) * s.kv_heads + h) * D : -1;
+        }
+        for (int64_t d0 = 0; d0 < D; d0 += 8) {
+            __m256 r[8];
+            for (int64_t l = 0; l < 8; ++l) r[l] = at[l] < 0 ? _mm256_setzero_ps() : load8<BF16>(k_cache, at[l] + d0);
+            transpose8(r);
+            for (int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d0 + i) * LANES + l0, r[i]);
         }
     }
 #endif
