@@ -22,7 +22,7 @@ typedef float v16u __attribute__((vector_size(64), aligned(4)));  // sixteen flo
 // By vector width. AVX-512: sixteen-float vectors (v16) in 32 registers. AVX2 has 16 registers of
 // eight floats, and GCC lowers a v16 there through the stack (a scalar broadcast became sixteen
 // stores and a reload): the inner loops below use eight-float halves (v8) and smaller blocks that
-// fit the registers, and the key transpose is a plain copy. Each lane still runs the same sequence
+// fit the registers, and keys are transposed eight by eight (transpose8). Each lane still runs the same sequence
 // of IEEE operations (lanes never mix in these loops), so the bits are the same on either build.
 #if defined(__AVX512F__)
 static const int QK_HEADS = 8;   // query heads scored per pass over a transposed key block
@@ -68,8 +68,7 @@ template <bool BF16>
 static inline void load_row(const void* base, int64_t index, int64_t d, float* dst) {
 #if !defined(__AVX512F__)
     for (int64_t i = 0; i < d; i += 8) _mm256_storeu_ps(dst + i, load8<BF16>(base, index * d + i));
-    return;
-#endif
+#else
     if (BF16) {
         const uint16_t* src = (const uint16_t*)base + index * d;
         for (int64_t i = 0; i < d; i += LANES) {  // d % 16 == 0 (checked by the callers)
@@ -79,6 +78,7 @@ static inline void load_row(const void* base, int64_t index, int64_t d, float* d
     } else {
         std::memcpy(dst, (const float*)base + index * d, d * sizeof(float));
     }
+#endif
 }
 
 // exp(x) for x <= 0 (softmax arguments)
@@ -195,8 +195,7 @@ static inline void qk_block(const float* q, const float* kt, int64_t D, float* o
         *(v8u*)(out + b * out_stride) = lo[b];
         *(v8u*)(out + b * out_stride + 8) = hi[b];
     }
-    return;
-#endif
+#else
     v16 a[NB];
     for (int b = 0; b < NB; ++b) a[b] = splat(0.0f);
     for (int64_t d = 0; d < D; ++d) {
@@ -205,6 +204,7 @@ static inline void qk_block(const float* q, const float* kt, int64_t D, float* o
         for (int b = 0; b < NB; ++b) a[b] = a[b] + q[b * D + d] * kd;
     }
     for (int b = 0; b < NB; ++b) std::memcpy(out + b * out_stride, &a[b], sizeof(a[b]));
+#endif
 }
 
 // Probabilities times values for NB query heads (p: their rows, stride p_stride) over keys 0..seen-1 in
@@ -226,8 +226,7 @@ static inline void pv_block(const float* p, int64_t p_stride, int64_t seen, cons
     }
     for (int b = 0; b < NB; ++b)
         for (int c = 0; c < 2 * CH; ++c) *(v8u*)(res + b * 64 + c * 8) = h[b][c];
-    return;
-#endif
+#else
     v16 a[NB][CH];
     for (int b = 0; b < NB; ++b)
         for (int c = 0; c < CH; ++c) a[b][c] = splat(0.0f);
@@ -241,6 +240,7 @@ static inline void pv_block(const float* p, int64_t p_stride, int64_t seen, cons
     }
     for (int b = 0; b < NB; ++b)
         for (int c = 0; c < CH; ++c) std::memcpy(res + b * 64 + c * LANES, &a[b][c], sizeof(v16));
+#endif
 }
 
 // One tile, one KV head. scratch: scores, scaled queries, a transposed key block, values (cpu_attention.Tiles.plan).
