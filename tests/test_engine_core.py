@@ -366,3 +366,76 @@ def test_the_core_publishes_its_state_during_a_long_step_and_counts_as_it_goes(m
         assert final.generation_tokens == 6 + 2 and final.prefix_queries == len(ids) + 40
         assert final.step_since == 0.0 and final.running == final.waiting == 0
     run(go())
+
+
+class SlowStoreConnector(LoopbackConnector):
+    """A store that completes `store_s` later on another thread, as a real kvstore call does."""
+
+    def __init__(self, frames, template, store_s: float):
+        super().__init__(frames, template)
+        self.store_s = store_s
+
+    def store(self, frames, timeout=None, trace_context=None):
+        import threading
+        future = self.futures.Future()
+        stored = super().store(frames).result()
+        threading.Timer(self.store_s, future.set_result, (stored,)).start()
+        return future
+
+    def close(self):
+        pass
+
+
+def test_a_sync_write_back_answers_when_its_store_completes_not_after_the_step_in_progress(make_engine):
+    """Prefill's answer waits on its blocks reaching the site store (decode pulls them next), and on
+    nothing else: with one seat, A (prefill only) finishes its step and its store begins; B's step,
+    long on purpose, starts; A's answer arrives when its store completes, mid-step, not after the step
+    (it waited for two before). Until then A counts as running at this worker; after, only B does."""
+    long_s, store_s = 2.5, 0.6  # (the store outlasts PUBLISH_S: a state is heard before the answer)
+    engine = make_engine(kv_cache_mb=64, max_num_seqs=1)
+    a, b = engine.tokenizer.encode(LONG_TEXT[:300]), engine.tokenizer.encode(PROMPTS[1])
+    run_model, b_step = engine.runner.run, []
+
+    def run_b_long(batch):
+        if any(s.request_id == "a" for s in batch.seqs):
+            time.sleep(0.5)  # (long enough for B to arrive meanwhile: it waits for the seat)
+        if any(s.request_id == "b" for s in batch.seqs) and not b_step:
+            b_step.append(time.monotonic())
+            time.sleep(long_s)  # (releases the GIL, as the C++ kernels and torch do)
+            b_step.append(time.monotonic())
+        return run_model(batch)
+    engine.runner.run = run_b_long
+    sync = KVPlan(write_back="sync", read_through=False)
+
+    async def go():
+        client = InProcessEngineClient(engine, SlowStoreConnector({}, engine.frame_template, store_s))
+        heard = []
+        deliver = client._deliver
+
+        def recording(events, snapshot):
+            heard.append((time.monotonic(), [e[1].request_id for e in events if e[0] == "out"], snapshot.running))
+            deliver(events, snapshot)
+        client._deliver = recording
+        try:
+            outs = []
+
+            async def prefill():
+                async for out in client.generate(a, SamplingParams(max_tokens=1), "a", plan=sync):
+                    outs.append((time.monotonic(), out))
+            first = asyncio.ensure_future(prefill())
+            await wait_until_async(lambda: client.snapshot.step_since, AT_ONCE_S, "A's step in progress")
+            await asyncio.gather(first, collect(client, b, SamplingParams(max_tokens=2, ignore_eos=True), "b"))
+        finally:
+            client.close()
+        [(answered, out)] = outs
+        began, ended = b_step
+        print(f"A answered {answered - began:.2f} s into B's {long_s} s step (store {store_s} s)")
+        assert out.finished and out.kv.blocks_stored == len(a) // engine.config.block_size
+        # (before the step's end: the loop cannot emit before then, only the store's thread can)
+        assert began < answered < ended, (answered - began, "A's answer waited on B's step")
+        # A was running here until its answer went out with a snapshot no longer counting it
+        with_answer = next(i for i, (_, rids, _) in enumerate(heard) if "a" in rids)
+        assert heard[with_answer][2] == 1, "the answer's snapshot counts B only"
+        during = [running for t, rids, running in heard[:with_answer] if began < t]
+        assert during and all(r == 2 for r in during), f"A and B both counted until A's answer: {during}"
+    run(go())

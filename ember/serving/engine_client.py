@@ -42,24 +42,27 @@ def serve_loop(core, receive: Callable[[float | None], list], emit: Callable[[li
     A publisher thread sends the core's live state (`core.live_snapshot()`) whenever the loop has
     sent nothing for `publish_s`: during a long step too, since it never waits for the step (it
     reads the state the loop wrote before the step began; ctypes kernels and torch release the GIL).
-    `emit` is called under one lock from both threads."""
+    The core's `deliver` sends a sync write-back's answer from the thread that completed its store.
+    `emit` is called under one lock from every thread, each snapshot taken under it: the service
+    sees them in the order they were taken."""
     lock = threading.Lock()
     last_sent = [time.monotonic()]
     stop = threading.Event()
 
-    def send(events: list, snapshot: Snapshot) -> None:
+    def send(events: list, snapshot: Callable[[], Snapshot]) -> None:
         with lock:
-            emit(events, snapshot)
+            emit(events, snapshot())
             last_sent[0] = time.monotonic()
 
     def publish() -> None:
         while not stop.wait(max(0.005, last_sent[0] + publish_s - time.monotonic())):
             if time.monotonic() - last_sent[0] >= publish_s:
                 try:
-                    send([], core.live_snapshot())
+                    send([], core.live_snapshot)
                 except Exception:  # noqa: BLE001 - a gauge never takes the engine down
                     log.exception("publishing the engine core's state failed")
                     last_sent[0] = time.monotonic()
+    core.deliver = lambda events: send(events, core.live_snapshot)
     publisher = threading.Thread(target=publish, name="engine-publisher", daemon=True)
     publisher.start()
     try:
@@ -80,8 +83,9 @@ def serve_loop(core, receive: Callable[[float | None], list], emit: Callable[[li
                     events.append(("stats", message[1], core.stats()))
             events.extend(core.turn())
             if events or core.memory_due():
-                send(events, core.snapshot())
+                send(events, core.snapshot)
     finally:
+        core.deliver = None
         stop.set()
         publisher.join(timeout=5)
 

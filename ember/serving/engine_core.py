@@ -21,12 +21,21 @@ Live state: the loop writes what a service's gauges show (running, waiting, the 
 and its prefill tokens, KV blocks, the counters) as one tuple, replaced whole before each step's
 model run and after each turn (`_publish`); `live_snapshot()` reads it from any thread, so the
 publisher thread of `serve_loop` can send it while a long step runs.
+
+A sync write-back's answer (prefill's first token: decode pulls the blocks next) leaves the moment
+its store completes, from the connector's thread through `deliver` (set by `serve_loop`), not at
+the end of the step in progress: a step runs for seconds on a CPU, and the answer would wait for
+it (it waited for two: the store's completion was only seen at the next turn, whose events went
+out after that turn's step). Until then the request counts as running, so the worker's gauges and
+the router's count of its calls agree.
 """
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from ember.engine.engine import LLMEngine
@@ -67,6 +76,15 @@ class _Live:
 
 
 @dataclass
+class _WriteBack:
+    """A finished request's blocks on their way to the site store (or its plan's stream_to)."""
+    future: concurrent.futures.Future
+    out: RequestOutput | None  # sync: its last output, delivered once the store completes
+    fail: bool  # sync and on_kv_failure "fail": a failed store is the caller's error
+    answered: bool = False  # its answer went out (claimed under EngineCore._answers_lock)
+
+
+@dataclass
 class TierCounters:
     """Prompt tokens by where their KV came from, counted as the work is done: a request's cached
     tokens (l1, l2) at its first step, computed ones chunk by chunk; tokens sampled step by step."""
@@ -88,7 +106,9 @@ class EngineCore:
     pending: dict[str, _Pending] = field(default_factory=dict)
     live: dict[str, _Live] = field(default_factory=dict)
     deadlines: dict[str, float] = field(default_factory=dict)  # monotonic, of requests sent with a timeout
-    stores: list[tuple[concurrent.futures.Future, RequestOutput | None]] = field(default_factory=list)
+    stores: list[_WriteBack] = field(default_factory=list)
+    # serve_loop's: send events (with a live snapshot) from any thread; None: the loop's poll delivers
+    deliver: Callable[[list], None] | None = None
     releases: list[tuple[str, concurrent.futures.Future]] = field(default_factory=list)
     tiers: TierCounters = field(default_factory=TierCounters)
     adds: int = 0  # "add" messages taken in (refused ones too): a client counts those still on their way
@@ -102,6 +122,8 @@ class EngineCore:
     _step_prefill: int = 0
     _step_prompt: int = 0  # of those, prompt tokens (counted as computed once the step is done)
     _running_left: int = 0  # prompt tokens running sequences need beyond the step in progress
+    _answers_waiting: int = 0  # sync write-backs whose answer has not gone out: still running here
+    _answers_lock: threading.Lock = field(default_factory=threading.Lock)
     spans: CoreSpans | None = None  # each request's spans (queue, chunks, import, decode), when exported
 
     def __post_init__(self):
@@ -179,7 +201,7 @@ class EngineCore:
         (version, running, waiting, adds, since, step_prefill, queued, used, l1, l2, computed, generated,
          queries) = self._state
         self._full = Snapshot(
-            running, waiting, used, engine.block_manager.num_blocks, l1, l2, computed,
+            running + self._answers_waiting, waiting, used, engine.block_manager.num_blocks, l1, l2, computed,
             engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens, engine.stats.num_forced_tokens,
             tuple(engine.expert_tokens()), engine.expert_ranks, tuple(engine.scheduler.choices.items()),
             self.memory(), version, time.monotonic(), adds, since, step_prefill, queued, generated, queries)
@@ -193,7 +215,8 @@ class EngineCore:
     def _live(self, base: Snapshot) -> Snapshot:
         (version, running, waiting, adds, since, step_prefill, queued, used, l1, l2, computed, generated,
          queries) = self._state
-        return replace(base, version=version, at=time.monotonic(), running=running, waiting=waiting, adds=adds,
+        return replace(base, version=version, at=time.monotonic(), running=running + self._answers_waiting,
+                       waiting=waiting, adds=adds,
                        step_since=since, step_prefill_tokens=step_prefill, queued_prefill_tokens=queued,
                        used_blocks=used, tokens_l1=l1, tokens_l2=l2, tokens_computed=computed,
                        generation_tokens=generated, prefix_queries=queries)
@@ -207,10 +230,8 @@ class EngineCore:
             queued += len(pending.request.prompt_token_ids)
         for seq in scheduler.waiting:  # (before their prefix-cache hits are known)
             queued += seq.num_tokens - seq.num_computed_tokens
-        # a request whose answer waits on its write-back (sync: prefill's) is still this worker's work
-        finishing = sum(1 for store in self.stores if store[1] is not None) if self.stores else 0
         self._version += 1
-        self._state = (self._version, len(scheduler.running) + finishing,
+        self._state = (self._version, len(scheduler.running),
                        len(scheduler.waiting) + len(self.pending), self.adds, self._step_since, self._step_prefill,
                        queued, self.engine.block_manager.num_used_blocks, t.tokens_l1, t.tokens_l2,
                        t.tokens_computed, t.generation_tokens, t.prefix_queries)
@@ -325,7 +346,7 @@ class EngineCore:
         return events
 
     def _transfers_done(self) -> bool:
-        return any(p.load.done() for p in self.pending.values()) or any(f.done() for f, _, _ in self.stores) \
+        return any(p.load.done() for p in self.pending.values()) or any(w.future.done() for w in self.stores) \
             or any(f.done() for _, f in self.releases)
 
     def _poll_transfers(self) -> list[tuple]:
@@ -334,22 +355,14 @@ class EngineCore:
             if pending.load.done():
                 del self.pending[rid]
                 events.extend(self._import(pending))
-        for future, out, fail in [s for s in self.stores if s[0].done()]:
-            self.stores.remove((future, out, fail))
-            try:
-                stored, _ = future.result()
-            except Exception as exc:  # noqa: BLE001
-                if out is not None and fail:
-                    events.append(_error(out.request_id, exc))  # a sync write-back the caller depends on
-                    continue
-                log.warning("write-back to the site kvstore failed (the reader computes instead): %r", exc)
-                if out is not None:
-                    events.append(("out", out))
-                continue
-            self.tiers.blocks_written_back += stored
-            if out is not None:
-                out.kv.blocks_stored += stored
-                events.append(("out", out))
+        for wb in [w for w in self.stores if w.future.done()]:
+            self.stores.remove(wb)
+            if wb.future.exception() is None:
+                self.tiers.blocks_written_back += wb.future.result()[0]
+            elif wb.out is None or not wb.fail:
+                log.warning("write-back to the site kvstore failed (the reader computes instead): %r",
+                            wb.future.exception())
+            events.extend(self._answer(wb))
         for rid, future in [r for r in self.releases if r[1].done()]:
             self.releases.remove((rid, future))
             if future.exception() is not None and rid in self.live:  # lease expired before the copy
@@ -457,8 +470,40 @@ class EngineCore:
         # a streaming request's last chunk leaves for the decode site as soon as it is stored, too
         store = self.connector.stream(frames, plan.stream_to, after=pending, trace_context=trace) \
             if self._streams(live.request) else self.connector.store(frames, trace_context=trace)
-        self.stores.append((store, out if sync else None, plan.on_kv_failure == "fail"))
-        return [] if sync else [("out", out)]
+        wb = _WriteBack(store, out if sync else None, plan.on_kv_failure == "fail")
+        self.stores.append(wb)
+        if not sync:
+            return [("out", out)]
+        with self._answers_lock:
+            self._answers_waiting += 1
+        if self.deliver is not None:  # its answer leaves when the store completes, mid-step too
+            store.add_done_callback(lambda _, wb=wb: self._answer_now(wb))
+        return []
+
+    def _answer(self, wb: _WriteBack) -> list[tuple]:
+        """A completed sync write-back's answer, once (the first of the loop's poll and the store's
+        completion thread to get here): its output, or its error when the store failed and its plan
+        says fail (a failed store otherwise means decode computes those blocks instead)."""
+        if wb.out is None:
+            return []
+        with self._answers_lock:
+            if wb.answered:
+                return []
+            wb.answered = True
+            self._answers_waiting -= 1
+        exc = wb.future.exception()
+        if exc is not None:
+            return [_error(wb.out.request_id, exc)] if wb.fail else [("out", wb.out)]
+        wb.out.kv.blocks_stored += wb.future.result()[0]
+        return [("out", wb.out)]
+
+    def _answer_now(self, wb: _WriteBack) -> None:
+        try:
+            events = self._answer(wb)
+            if events:
+                self.deliver(events)
+        except Exception:  # noqa: BLE001 - the loop's poll answers instead
+            log.exception("answering a request from its write-back's completion failed")
 
     @staticmethod
     def _present_in_store(live: _Live) -> set[bytes]:
