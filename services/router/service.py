@@ -40,7 +40,6 @@ from ember.rpc.server import remaining
 from ember.services.router import tenants, tools
 from ember.services.router.admission import Admission, Throttled
 from ember.services.router.auth import ANONYMOUS, Authenticated, KeyTable
-from ember.services.router.prefill_queues import PrefillQueues
 from ember.services.router.tenants import SharedPrefixes
 from ember.services.router.workers import Worker, WorkerPool
 from ember.v1 import common_pb2, decode_pb2, prefill_pb2, router_pb2, router_pb2_grpc
@@ -172,9 +171,6 @@ class RouterService(router_pb2_grpc.RouterServicer):
         self.max_inflight, self.max_migrations, self.retry_after_s = max_inflight, max_migrations, retry_after_s
         self.stall_timeout_s = stall_timeout_s
         self.load = Load()  # this router's view: prefill work in flight, decodes running, per site
-        self.queues = PrefillQueues(self.load.prefill_queue_s)  # that prefill work by tenant
-        step_tokens = placer.config.engine.max_num_batched_tokens  # a site's longest step: not preempted
-        self._step_s = {s.name: placer.profiles[s.name].prefill_s(step_tokens) for s in placer.config.sites}
         self.block_size, self.root_hash = block_size, root_hash
         self.directory, self.sites = directory, [s.name for s in placer.config.sites]
         # where a remote prefill streams its KV (kvstore.stream_prefill): the decode site's kvstore, when
@@ -368,13 +364,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
         looked_up = time.perf_counter()
         cached = await self._cached_blocks(hashes)
         directory_s = time.perf_counter() - looked_up
-        weight = self.admission.weight(tenant)
-        # the queues as this tenant waits in them: the engines serve prefill fairly across tenants
-        load = Load(self.queues.ahead_of(tenant, weight, self._step_s.__getitem__), self.load.decode_running)
         with tracing.tracer.start_as_current_span("placement"):
             try:
                 decision = self.placer.place(Request(len(prompt), params.max_tokens, request.user_region or None,
-                                                     cached, request.session_id), load)
+                                                     cached, request.session_id), self.load)
             except NoCapacity as e:
                 raise RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e), retry_after_s=self.retry_after_s) from e
             est = decision.estimate
@@ -396,6 +389,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
             log.info("%s: %s%s", request_id, decision.summary(), f" (user {request.user!r})" if request.user else "")
             usage = common_pb2.Usage(prompt_tokens=len(prompt), completion_tokens=1)
             timings = common_pb2.Timings()
+            weight = self.admission.weight(tenant)
             decode_req = decode_pb2.DecodeRequest(request_id=request_id, prompt_token_ids=prompt, sampling=pb_params,
                                                   cache_salt=salt, shared_blocks=shared, tenant=tenant,
                                                   tenant_weight=weight)
@@ -406,7 +400,8 @@ class RouterService(router_pb2_grpc.RouterServicer):
             prefill_req.stream_to = self.stream_targets.get((placement.prefill_site, placement.decode_site), "")
             if decision.colocated:
                 pre, colocated_s = None, est.prefill_s
-                self.queues.add(decision.decode_site, tenant, weight, colocated_s)
+                self.load.prefill_queue_s[decision.decode_site] = \
+                    self.load.prefill_queue_s.get(decision.decode_site, 0.0) + colocated_s
             else:
                 pre = await self._prefill(prefill_req, placement, est.prefill_s, context)
             emitted: list[int] = []
@@ -454,7 +449,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                         now = time.perf_counter()
                         if d.token_ids:
                             if colocated_s:
-                                self.queues.remove(decision.decode_site, tenant, colocated_s)
+                                self._unqueue(decision.decode_site, colocated_s)
                                 colocated_s = 0.0
                             if first_at is None:  # decode-only fallback: its first token is the first token
                                 first_at = now
@@ -501,7 +496,11 @@ class RouterService(router_pb2_grpc.RouterServicer):
             if decoder is not None:  # never reached Decode (prefill failed, or finished the request)
                 decoder.running -= 1
             if colocated_s:
-                self.queues.remove(decision.decode_site, tenant, colocated_s)
+                self._unqueue(decision.decode_site, colocated_s)
+
+    def _unqueue(self, site: str, seconds: float) -> None:
+        queue = self.load.prefill_queue_s
+        queue[site] = max(0.0, queue.get(site, 0.0) - seconds)
 
 
     async def _decode_worker(self, placement, failed: tuple[Worker, ...]) -> Worker:
@@ -530,9 +529,9 @@ class RouterService(router_pb2_grpc.RouterServicer):
         """Prefill on a live worker of the placed site, trying the next one when a worker fails;
         None when none is left (the decode worker then prefills: decode-only fallback)."""
         site, tried = placement.prefill_site, ()
-        tenant, weight = prefill_req.tenant, prefill_req.tenant_weight
+        queue = self.load.prefill_queue_s
         while (worker := await self.workers.pick_or_recheck("prefill", site, exclude=tried)) is not None:
-            self.queues.add(site, tenant, weight, estimate_s)
+            queue[site] = queue.get(site, 0.0) + estimate_s
             worker.running += 1
             try:
                 return await self.workers.stub(worker).Prefill(prefill_req, timeout=remaining(context))
@@ -544,7 +543,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 placement.prefill_fallback = "another worker"
             finally:
                 worker.running -= 1
-                self.queues.remove(site, tenant, estimate_s)
+                queue[site] = max(0.0, queue[site] - estimate_s)
         placement.prefill_fallback = "decode-only"
         placement.prefill_site = placement.decode_site
         log.warning("%s: no live prefill worker at %s; the decode worker prefills", prefill_req.request_id, site)
