@@ -409,11 +409,11 @@ def test_a_sync_write_back_answers_when_its_store_completes_not_after_the_step_i
 
     async def go():
         client = InProcessEngineClient(engine, SlowStoreConnector({}, engine.frame_template, store_s))
-        heard = []
+        heard = []  # (when the core took the snapshot, the answers it came with, its running)
         deliver = client._deliver
 
         def recording(events, snapshot):
-            heard.append((time.monotonic(), [e[1].request_id for e in events if e[0] == "out"], snapshot.running))
+            heard.append((snapshot.at, [e[1].request_id for e in events if e[0] == "out"], snapshot.running))
             deliver(events, snapshot)
         client._deliver = recording
         try:
@@ -439,3 +439,31 @@ def test_a_sync_write_back_answers_when_its_store_completes_not_after_the_step_i
         during = [running for t, rids, running in heard[:with_answer] if began < t]
         assert during and all(r == 2 for r in during), f"A and B both counted until A's answer: {during}"
     run(go())
+
+
+def test_a_cancelled_write_back_is_answered_and_the_core_keeps_serving(make_engine):
+    """A store future cancelled (its channel closing) is a failed store: the answer goes out (recompute:
+    decode computes those blocks) or is the caller's error (fail), and the loop goes on."""
+    class CancellingConnector(LoopbackConnector):
+        def store(self, frames, timeout=None, trace_context=None):
+            future = self.futures.Future()
+            future.cancel()
+            return future
+
+    engine = make_engine(kv_cache_mb=32)
+    core = EngineCore(engine, CancellingConnector({}, engine.frame_template))
+    for i, on_failure in enumerate(("recompute", "fail")):
+        ids = engine.tokenizer.encode(f"Request {i}. " + LONG_TEXT[:300])
+        plan = KVPlan(write_back="sync", read_through=False, on_kv_failure=on_failure)
+        assert core.add(AddRequest(on_failure, ids, SamplingParams(max_tokens=1), plan=plan)) == []
+        mine = []
+        for _ in range(500):
+            mine += [e for e in core.turn() if (e[1].request_id if e[0] == "out" else e[1]) == on_failure]
+            if mine:
+                break
+        [event] = mine
+        if on_failure == "recompute":
+            assert event[0] == "out" and event[1].finished and event[1].kv.blocks_stored == 0
+        else:
+            assert event[0] == "error" and "Cancelled" in type(event[2]).__name__
+    assert not core.stores and not engine.has_unfinished()

@@ -62,7 +62,13 @@ def serve_loop(core, receive: Callable[[float | None], list], emit: Callable[[li
                 except Exception:  # noqa: BLE001 - a gauge never takes the engine down
                     log.exception("publishing the engine core's state failed")
                     last_sent[0] = time.monotonic()
-    core.deliver = lambda events: send(events, core.live_snapshot)
+
+    def deliver(events: list, answers: int) -> None:  # (from the connector's thread: sync answers)
+        def snapshot() -> Snapshot:
+            core.settle_answers(answers)  # no longer running from the snapshot that goes with them
+            return core.live_snapshot()
+        send(events, snapshot)
+    core.deliver = deliver
     publisher = threading.Thread(target=publish, name="engine-publisher", daemon=True)
     publisher.start()
     try:

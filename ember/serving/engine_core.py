@@ -81,7 +81,15 @@ class _WriteBack:
     future: concurrent.futures.Future
     out: RequestOutput | None  # sync: its last output, delivered once the store completes
     fail: bool  # sync and on_kv_failure "fail": a failed store is the caller's error
-    answered: bool = False  # its answer went out (claimed under EngineCore._answers_lock)
+    early: bool = False  # its answer is sent by the store's completion callback, not the loop's poll
+
+
+def _outcome(future: concurrent.futures.Future) -> tuple[int, BaseException | None]:
+    """A completed store's blocks stored, or its exception (a cancelled one's too)."""
+    try:
+        return future.result()[0], None
+    except Exception as exc:  # noqa: BLE001
+        return 0, exc
 
 
 @dataclass
@@ -107,8 +115,10 @@ class EngineCore:
     live: dict[str, _Live] = field(default_factory=dict)
     deadlines: dict[str, float] = field(default_factory=dict)  # monotonic, of requests sent with a timeout
     stores: list[_WriteBack] = field(default_factory=list)
-    # serve_loop's: send events (with a live snapshot) from any thread; None: the loop's poll delivers
-    deliver: Callable[[list], None] | None = None
+    # serve_loop's: deliver(events, answers) sends events from any thread, settling `answers` sync
+    # answers (settle_answers) under its send lock just before it takes their snapshot; None: the
+    # loop's poll answers every write-back
+    deliver: Callable[[list, int], None] | None = None
     releases: list[tuple[str, concurrent.futures.Future]] = field(default_factory=list)
     tiers: TierCounters = field(default_factory=TierCounters)
     adds: int = 0  # "add" messages taken in (refused ones too): a client counts those still on their way
@@ -122,7 +132,14 @@ class EngineCore:
     _step_prefill: int = 0
     _step_prompt: int = 0  # of those, prompt tokens (counted as computed once the step is done)
     _running_left: int = 0  # prompt tokens running sequences need beyond the step in progress
-    _answers_waiting: int = 0  # sync write-backs whose answer has not gone out: still running here
+    # Sync answers not sent yet count as running here. `_answers_owed`: those counted into the
+    # published state (at `_publish`, the moment it stops counting them in the scheduler's running)
+    # less those sent (settled under the send lock, just before the answer's own snapshot is taken);
+    # `_answers_lock` keeps it and `_state` read together. `_answers_new`: registered since the last
+    # publish; `_answers_sent`: the loop's own answers this turn, settled by `snapshot()`.
+    _answers_owed: int = 0
+    _answers_new: int = 0
+    _answers_sent: int = 0
     _answers_lock: threading.Lock = field(default_factory=threading.Lock)
     spans: CoreSpans | None = None  # each request's spans (queue, chunks, import, decode), when exported
 
@@ -197,11 +214,15 @@ class EngineCore:
     def snapshot(self) -> Snapshot:
         """Everything the gauges show, from the loop (after a turn)."""
         engine = self.engine
+        self.settle_answers(self._answers_sent)  # (serve_loop takes this under its send lock, with them)
+        self._answers_sent = 0
         self._publish()
+        with self._answers_lock:
+            state, owed = self._state, self._answers_owed
         (version, running, waiting, adds, since, step_prefill, queued, used, l1, l2, computed, generated,
-         queries) = self._state
+         queries) = state
         self._full = Snapshot(
-            running + self._answers_waiting, waiting, used, engine.block_manager.num_blocks, l1, l2, computed,
+            running + owed, waiting, used, engine.block_manager.num_blocks, l1, l2, computed,
             engine.stats.num_draft_tokens, engine.stats.num_accepted_tokens, engine.stats.num_forced_tokens,
             tuple(engine.expert_tokens()), engine.expert_ranks, tuple(engine.scheduler.choices.items()),
             self.memory(), version, time.monotonic(), adds, since, step_prefill, queued, generated, queries)
@@ -212,11 +233,18 @@ class EngineCore:
         of now: safe from any thread, it only reads two references the loop replaces whole."""
         return self._live(self._full)
 
+    def settle_answers(self, sent: int) -> None:
+        """`sent` sync answers are about to go out (under serve_loop's send lock): no longer running."""
+        if sent:
+            with self._answers_lock:
+                self._answers_owed -= sent
+
     def _live(self, base: Snapshot) -> Snapshot:
+        with self._answers_lock:
+            state, owed = self._state, self._answers_owed
         (version, running, waiting, adds, since, step_prefill, queued, used, l1, l2, computed, generated,
-         queries) = self._state
-        return replace(base, version=version, at=time.monotonic(), running=running + self._answers_waiting,
-                       waiting=waiting, adds=adds,
+         queries) = state
+        return replace(base, version=version, at=time.monotonic(), running=running + owed, waiting=waiting, adds=adds,
                        step_since=since, step_prefill_tokens=step_prefill, queued_prefill_tokens=queued,
                        used_blocks=used, tokens_l1=l1, tokens_l2=l2, tokens_computed=computed,
                        generation_tokens=generated, prefix_queries=queries)
@@ -231,10 +259,14 @@ class EngineCore:
         for seq in scheduler.waiting:  # (before their prefix-cache hits are known)
             queued += seq.num_tokens - seq.num_computed_tokens
         self._version += 1
-        self._state = (self._version, len(scheduler.running),
-                       len(scheduler.waiting) + len(self.pending), self.adds, self._step_since, self._step_prefill,
-                       queued, self.engine.block_manager.num_used_blocks, t.tokens_l1, t.tokens_l2,
-                       t.tokens_computed, t.generation_tokens, t.prefix_queries)
+        state = (self._version, len(scheduler.running),
+                 len(scheduler.waiting) + len(self.pending), self.adds, self._step_since, self._step_prefill,
+                 queued, self.engine.block_manager.num_used_blocks, t.tokens_l1, t.tokens_l2,
+                 t.tokens_computed, t.generation_tokens, t.prefix_queries)
+        with self._answers_lock:  # (finished requests leave the scheduler's running here: their answers
+            self._state = state  # start counting here too)
+            self._answers_owed += self._answers_new
+        self._answers_new = 0
 
     def _on_batch(self, batch: ScheduledBatch) -> None:
         """A step's batch, scheduled, before the model runs it (LLMEngine.on_batch): what it computes
@@ -357,12 +389,13 @@ class EngineCore:
                 events.extend(self._import(pending))
         for wb in [w for w in self.stores if w.future.done()]:
             self.stores.remove(wb)
-            if wb.future.exception() is None:
-                self.tiers.blocks_written_back += wb.future.result()[0]
-            elif wb.out is None or not wb.fail:
-                log.warning("write-back to the site kvstore failed (the reader computes instead): %r",
-                            wb.future.exception())
-            events.extend(self._answer(wb))
+            stored, exc = _outcome(wb.future)
+            self.tiers.blocks_written_back += stored
+            if exc is not None and (wb.out is None or not wb.fail):
+                log.warning("write-back to the site kvstore failed (the reader computes instead): %r", exc)
+            if wb.out is not None and not wb.early:  # (an early one's callback answers it: it may not have run yet)
+                events.extend(self._answer(wb))
+                self._answers_sent += 1
         for rid, future in [r for r in self.releases if r[1].done()]:
             self.releases.remove((rid, future))
             if future.exception() is not None and rid in self.live:  # lease expired before the copy
@@ -470,39 +503,34 @@ class EngineCore:
         # a streaming request's last chunk leaves for the decode site as soon as it is stored, too
         store = self.connector.stream(frames, plan.stream_to, after=pending, trace_context=trace) \
             if self._streams(live.request) else self.connector.store(frames, trace_context=trace)
-        wb = _WriteBack(store, out if sync else None, plan.on_kv_failure == "fail")
+        wb = _WriteBack(store, out if sync else None, plan.on_kv_failure == "fail", early=self.deliver is not None)
         self.stores.append(wb)
         if not sync:
             return [("out", out)]
-        with self._answers_lock:
-            self._answers_waiting += 1
-        if self.deliver is not None:  # its answer leaves when the store completes, mid-step too
+        self._answers_new += 1
+        if wb.early:  # its answer leaves when the store completes, mid-step too
             store.add_done_callback(lambda _, wb=wb: self._answer_now(wb))
         return []
 
-    def _answer(self, wb: _WriteBack) -> list[tuple]:
-        """A completed sync write-back's answer, once (the first of the loop's poll and the store's
-        completion thread to get here): its output, or its error when the store failed and its plan
-        says fail (a failed store otherwise means decode computes those blocks instead)."""
-        if wb.out is None:
-            return []
-        with self._answers_lock:
-            if wb.answered:
-                return []
-            wb.answered = True
-            self._answers_waiting -= 1
-        exc = wb.future.exception()
+    @staticmethod
+    def _answer(wb: _WriteBack) -> list[tuple]:
+        """A completed sync write-back's answer: its output, or its error when the store failed and its
+        plan says fail (a failed store otherwise means decode computes those blocks instead)."""
+        stored, exc = _outcome(wb.future)
         if exc is not None:
             return [_error(wb.out.request_id, exc)] if wb.fail else [("out", wb.out)]
-        wb.out.kv.blocks_stored += wb.future.result()[0]
+        wb.out.kv.blocks_stored += stored
         return [("out", wb.out)]
 
     def _answer_now(self, wb: _WriteBack) -> None:
+        """On the thread that completed the store (the connector's): send its answer now. (Only a
+        transport that is gone fails here, as the loop's own sends would: the service sees the core go.)"""
+        deliver = self.deliver
+        if deliver is None:  # the loop has stopped: nobody to answer
+            return
         try:
-            events = self._answer(wb)
-            if events:
-                self.deliver(events)
-        except Exception:  # noqa: BLE001 - the loop's poll answers instead
+            deliver(self._answer(wb), 1)
+        except Exception:  # noqa: BLE001 - a callback never raises into the connector's loop
             log.exception("answering a request from its write-back's completion failed")
 
     @staticmethod
