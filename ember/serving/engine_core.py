@@ -81,7 +81,6 @@ class _WriteBack:
     future: concurrent.futures.Future
     out: RequestOutput | None  # sync: its last output, delivered once the store completes
     fail: bool  # sync and on_kv_failure "fail": a failed store is the caller's error
-    early: bool = False  # its answer is sent by the store's completion callback, not the loop's poll
 
 
 def _outcome(future: concurrent.futures.Future) -> tuple[int, BaseException | None]:
@@ -116,8 +115,8 @@ class EngineCore:
     deadlines: dict[str, float] = field(default_factory=dict)  # monotonic, of requests sent with a timeout
     stores: list[_WriteBack] = field(default_factory=list)
     # serve_loop's: deliver(events, answers) sends events from any thread, settling `answers` sync
-    # answers (settle_answers) under its send lock just before it takes their snapshot; None: the
-    # loop's poll answers every write-back
+    # answers (settle_answers) under its send lock just before it takes their snapshot. Set: a sync
+    # write-back's completion callback answers it; None (a core driven without serve_loop): the poll
     deliver: Callable[[list, int], None] | None = None
     releases: list[tuple[str, concurrent.futures.Future]] = field(default_factory=list)
     tiers: TierCounters = field(default_factory=TierCounters)
@@ -136,10 +135,9 @@ class EngineCore:
     # published state (at `_publish`, the moment it stops counting them in the scheduler's running)
     # less those sent (settled under the send lock, just before the answer's own snapshot is taken);
     # `_answers_lock` keeps it and `_state` read together. `_answers_new`: registered since the last
-    # publish; `_answers_sent`: the loop's own answers this turn, settled by `snapshot()`.
+    # publish.
     _answers_owed: int = 0
     _answers_new: int = 0
-    _answers_sent: int = 0
     _answers_lock: threading.Lock = field(default_factory=threading.Lock)
     spans: CoreSpans | None = None  # each request's spans (queue, chunks, import, decode), when exported
 
@@ -214,8 +212,6 @@ class EngineCore:
     def snapshot(self) -> Snapshot:
         """Everything the gauges show, from the loop (after a turn)."""
         engine = self.engine
-        self.settle_answers(self._answers_sent)  # (serve_loop takes this under its send lock, with them)
-        self._answers_sent = 0
         self._publish()
         with self._answers_lock:
             state, owed = self._state, self._answers_owed
@@ -393,9 +389,10 @@ class EngineCore:
             self.tiers.blocks_written_back += stored
             if exc is not None and (wb.out is None or not wb.fail):
                 log.warning("write-back to the site kvstore failed (the reader computes instead): %r", exc)
-            if wb.out is not None and not wb.early:  # (an early one's callback answers it: it may not have run yet)
+            # (with serve_loop, the store's callback answers it, whether or not it has run yet)
+            if wb.out is not None and self.deliver is None:
                 events.extend(self._answer(wb))
-                self._answers_sent += 1
+                self.settle_answers(1)
         for rid, future in [r for r in self.releases if r[1].done()]:
             self.releases.remove((rid, future))
             if future.exception() is not None and rid in self.live:  # lease expired before the copy
@@ -503,12 +500,12 @@ class EngineCore:
         # a streaming request's last chunk leaves for the decode site as soon as it is stored, too
         store = self.connector.stream(frames, plan.stream_to, after=pending, trace_context=trace) \
             if self._streams(live.request) else self.connector.store(frames, trace_context=trace)
-        wb = _WriteBack(store, out if sync else None, plan.on_kv_failure == "fail", early=self.deliver is not None)
+        wb = _WriteBack(store, out if sync else None, plan.on_kv_failure == "fail")
         self.stores.append(wb)
         if not sync:
             return [("out", out)]
         self._answers_new += 1
-        if wb.early:  # its answer leaves when the store completes, mid-step too
+        if self.deliver is not None:  # its answer leaves when the store completes, mid-step too
             store.add_done_callback(lambda _, wb=wb: self._answer_now(wb))
         return []
 
