@@ -26,6 +26,11 @@ sees only the keys of its own chunk, positions [p - p % n, p], in prefill, chunk
 decode alike. Both recipes mask the keys outside (the same key blocks as a full layer, so the
 batch-invariant recipe keeps its facts); the C++ kernel and the Triton decode do not take the mask,
 so a model with chunked layers runs the torch recipes.
+
+KV groups (hybrid allocation, ember.engine.block_manager): each group has its own block tables and
+slots, so a step runs one PagedAttention per group (`GroupedAttention` sends each layer to its
+group's). A chunked group's tables hold page 0 where its pages were given back: only keys before
+the query's chunk sit there, and both recipes mask those.
 """
 from __future__ import annotations
 
@@ -226,7 +231,7 @@ class PagedAttention:
 
     def _gather(self, layer_idx: int, tables: torch.Tensor) -> torch.Tensor:
         """K and V of the blocks in `tables` [B, W]: [2, B, W * block_size, Hkv, D] (a latent cache: [1, ...])."""
-        kv = self.cache.kv[layer_idx]  # [planes, num_blocks, block_size, Hkv, D]
+        kv = self.cache.layer_kv(layer_idx)  # [planes, num_blocks, block_size, Hkv, D]
         # K and V of every context block in one index_select (5x faster than two fancy-index gathers)
         return kv.index_select(1, tables.flatten()).view(kv.shape[0], tables.shape[0], -1, kv.shape[3], kv.shape[4])
 
@@ -384,3 +389,18 @@ class PagedAttention:
             hidden = self._rows_mask(self._decode_masks(window)[1], num_heads // num_kv_heads, qg.shape[2])
             out = _exact_attention(qg, keys, values, hidden, self.scale)
         return self._ungrouped(out, num_heads, q.dtype)
+
+
+class GroupedAttention:
+    """The `Attend` of a step over a cache in KV groups: each layer attends through its group's
+    block tables and slots (one PagedAttention per group, all over the one cache)."""
+
+    tiles = None  # (no captured step over groups)
+
+    def __init__(self, cache: PagedKVCache, per_group: list[PagedAttention]):
+        self.cache = cache
+        self.per_group = per_group
+        self.slot_mapping = per_group[0].slot_mapping
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return self.per_group[self.cache.group_of(layer_idx)](layer_idx, q, k, v)

@@ -57,6 +57,10 @@ class EngineSettings(Section):
     jump_forward: bool = Field(True, description="a grammar-constrained request's forced tokens (the only ones its "
                                                  "grammar allows next) are appended at once and computed in the "
                                                  "next step, not one step each (exact: tokens unchanged)")
+    hybrid_kv: bool = Field(True, description="a model with chunked-attention layers (Llama 4) keeps, in those "
+                                              "layers, only the KV blocks of each sequence's current chunk "
+                                              "(ember.engine.block_manager: KV groups); off: every layer keeps every "
+                                              "block. Only where one process holds the whole cache (no TP/PP/EP)")
     tensor_parallel: int = Field(1, ge=1, description="ranks (processes) each layer is split over, Megatron style "
                                                       "(ember.parallel); KV blocks stay whole-model")
     pipeline_parallel: int = Field(1, ge=1, description="stages the layers are split into, balanced by a measured "

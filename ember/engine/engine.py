@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ember.engine.block_manager import BlockManager
+from ember.engine.block_manager import BlockManager, kv_groups
 from ember.engine.config import EngineConfig
 from ember.engine.constraints import Grammars, fill_mask
 from ember.engine.detokenizer import update_text
@@ -120,9 +120,13 @@ class LLMEngine:
             self.runner = Runner(config, self.layout, num_blocks)
             self.cache = self.runner.cache  # whole-model blocks in and out, every rank its part
             self.kernels = [*self.runner.kernels, name]
-        else:
-            self.cache = PagedKVCache(self.layout, num_blocks, torch.device(config.device))
-        self.block_manager = BlockManager(num_blocks, config.block_size, root_hash(self.layout))
+            groups = None
+        else:  # hybrid allocation: pages of KV groups (its chunked layers keep only the current chunk's)
+            groups = kv_groups(args.attention_chunks) if config.hybrid_kv else None
+            self.cache = PagedKVCache(self.layout, num_blocks, torch.device(config.device), groups)
+        pages = num_blocks if groups is None else self.cache.num_blocks  # (groups: a block id is a page)
+        self.block_manager = BlockManager(pages, config.block_size, root_hash(self.layout), groups,
+                                          max_step_tokens=config.max_num_batched_tokens)
         self.frame_template = wire.layout_header(self.layout, self.block_manager.root_hash)  # what frames must say
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    slo=SLO(config.slo_ttft_s, config.slo_tpot_s))
@@ -503,7 +507,7 @@ class LLMEngine:
                 continue
             if payload is None:
                 break
-            if self.block_manager.num_free_blocks == 0:
+            if not self.block_manager.can_import():
                 if hold is not None:
                     break
                 raise CapacityError("no free KV block to import into")

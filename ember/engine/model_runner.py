@@ -1,15 +1,24 @@
 """Turns a scheduled batch into tensors, runs the model, returns logits of sampled rows."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from ember.engine.attention import DecodeBatch, PagedAttention, PrefillChunk
+from ember.engine.attention import DecodeBatch, GroupedAttention, PagedAttention, PrefillChunk
 from ember.engine.kv_cache import PagedKVCache
 from ember.engine.scheduler import ScheduledBatch
 from ember.kernels import cpu_step
 from ember.model.llama import LlamaModel
+
+
+@dataclass
+class GroupStep:
+    """One more KV group's slots and block tables for a step (hybrid allocation: the step's first group
+    is StepInputs' own fields); its tables hold page 0 where the group's pages were given back."""
+    slots: list[int]
+    prefills: list[PrefillChunk]
+    decode: DecodeBatch | None
 
 
 @dataclass
@@ -21,6 +30,7 @@ class StepInputs:
     prefills: list[PrefillChunk]
     decode: DecodeBatch | None
     sample_rows: list[int]  # rows whose logits are returned
+    groups: list[GroupStep] = field(default_factory=list)  # KV groups after the first (none: one group)
 
 
 class ModelRunner:
@@ -35,8 +45,10 @@ class ModelRunner:
         self.attention_backend = attention_backend
         self.block_size = cache.layout.block_size
         self.scale = model.args.attention_scale
+        self.num_groups = len(cache.groups.layers) if cache.groups is not None else 1
         self.captured = None
-        if capture_sizes and self.device.type == "cpu" and cpu_step.unsupported(model, cache) is None:
+        if capture_sizes and self.device.type == "cpu" and self.num_groups == 1 and \
+                cpu_step.unsupported(model, cache) is None:
             self.captured = cpu_step.CapturedStep(model, cache, capture_sizes)
 
     def run(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
@@ -48,8 +60,11 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
         """The step's inputs, and for each sampled row its index into batch.seqs."""
-        input_ids, positions, slots = [], [], []
-        prefills, decode_rows, decode_tables, decode_lens, decode_queries = [], [], [], [], []
+        input_ids, positions = [], []
+        groups = range(self.num_groups)
+        slots = [[] for _ in groups]
+        prefill_spans, prefill_tables = [], [[] for _ in groups]
+        decode_rows, decode_tables, decode_lens, decode_queries = [], [[] for _ in groups], [], []
         sample_rows, sampled = [], []
         bs = self.block_size
         for i, (seq, n) in enumerate(zip(batch.seqs, batch.num_new_tokens)):
@@ -58,41 +73,61 @@ class ModelRunner:
             new = seq.token_ids[start:start + n]
             input_ids.extend((new + seq.draft_token_ids)[:n] if seq.draft_token_ids else new)
             positions.extend(range(start, start + n))
-            table = seq.block_table
-            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            tables = [seq.block_table, *seq.group_tables] if self.num_groups > 1 else [seq.block_table]
+            used = -(-(start + n) // bs)
+            for g, table in enumerate(tables):
+                slots[g].extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if self.num_groups > 1:  # (a chunked group's given-back entries: page 0, masked)
+                if min(min(s[-n:]) for s in slots) < 0:
+                    raise RuntimeError(f"{seq.request_id}: a token's KV slot is in a page given back")
+                tables = [[max(b, 0) for b in t[:used]] for t in tables]
             if start > 0 and (n == 1 or seq.draft_token_ids):
                 # a decode, batched with the others; a verify step's tokens too (each sees the
                 # keys up to its own position: all are written before attention)
                 decode_rows.append(offset)
-                decode_tables.append(table[:-(-(start + n) // bs)])
+                for g, table in enumerate(tables):
+                    decode_tables[g].append(table[:used])
                 decode_lens.append(start + n)
                 decode_queries.append(n)
             else:
-                prefills.append(PrefillChunk(offset, n, start, torch.tensor(table[:-(-(start + n) // bs)])))
+                prefill_spans.append((offset, n, start))
+                for g, table in enumerate(tables):
+                    prefill_tables[g].append(torch.tensor(table[:used]))
             if seq.draft_token_ids:  # verify: every position is sampled
                 sample_rows.extend(range(offset, offset + n))
                 sampled.extend([i] * n)
             elif start + n == seq.num_tokens:  # chunk reaches the end: sample the next token
                 sample_rows.append(offset + n - 1)
                 sampled.append(i)
-        decode = None
-        if decode_rows:
-            width = max(len(t) for t in decode_tables)
-            tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables])
-            decode = DecodeBatch(torch.tensor(decode_rows), tables, torch.tensor(decode_lens),
-                                 torch.tensor(decode_queries))
-        return StepInputs(input_ids, positions, slots, prefills, decode, sample_rows), sampled
+        per_group = []
+        for g in groups:
+            prefills = [PrefillChunk(*span, table) for span, table in zip(prefill_spans, prefill_tables[g])]
+            decode = None
+            if decode_rows:
+                width = max(len(t) for t in decode_tables[g])
+                tables = torch.tensor([t + [0] * (width - len(t)) for t in decode_tables[g]])
+                decode = DecodeBatch(torch.tensor(decode_rows), tables, torch.tensor(decode_lens),
+                                     torch.tensor(decode_queries))
+            per_group.append(GroupStep(slots[g], prefills, decode))
+        first = per_group[0]
+        return StepInputs(input_ids, positions, first.slots, first.prefills, first.decode, sample_rows,
+                          per_group[1:]), sampled
 
-    def attention(self, inputs: StepInputs) -> PagedAttention:
+    def attention(self, inputs: StepInputs) -> PagedAttention | GroupedAttention:
         """The step's attention over this runner's cache, its tensors on the cache's device."""
-        prefills, decode, device = inputs.prefills, inputs.decode, self.device
+        first = GroupStep(inputs.slots, inputs.prefills, inputs.decode)
+        per_group = [self._group_attention(step) for step in [first, *inputs.groups]]
+        return per_group[0] if len(per_group) == 1 else GroupedAttention(self.cache, per_group)
+
+    def _group_attention(self, step: GroupStep) -> PagedAttention:
+        prefills, decode, device = step.prefills, step.decode, self.device
         if device.type != "cpu":
             prefills = [replace(c, block_table=c.block_table.to(device)) for c in prefills]
             if decode is not None:
                 decode = DecodeBatch(decode.token_indices.to(device), decode.block_tables.to(device),
                                      decode.context_lens.to(device), decode.query_lens.to(device))
         backend = self.attention_backend
-        return PagedAttention(self.cache, self.tensor(inputs.slots), prefills, decode, self.scale,
+        return PagedAttention(self.cache, self.tensor(step.slots), prefills, decode, self.scale,
                               kernel=False if backend == "torch" else None, triton=backend == "triton",
                               chunks=self.model.args.attention_chunks)
 
