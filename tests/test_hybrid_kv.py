@@ -13,6 +13,7 @@ from ember.engine.config import EngineConfig
 from ember.engine.engine import LLMEngine
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.sequence import Sequence
+from ember.engine.errors import CapacityError
 from ember.errors import NotFoundError
 from ember.kv.block_hash import chain_hashes
 from tests.conftest import PROMPTS
@@ -291,6 +292,12 @@ def test_from_a_cached_prefix_and_from_one_cut_back(checkpoint, reference, promp
 def test_preemption_and_cancel_leave_nothing_behind(checkpoint, reference, prompts):
     engine = engine_for(checkpoint, num_kv_blocks=8, kv_cache_mb=None, max_num_batched_tokens=64)
     bm = engine.block_manager
+    # 32 pages: a sequence of 160 tokens holds at most 10 full pages + 3 x 7 chunked (a chunk and a step);
+    # one of 400 (25 + 21) could never run: refused at once, not queued forever
+    assert bm.pages_needed(160) == 31 and bm.pages_needed(400) == 46
+    engine.validate(prompts[5][:100], greedy(60))
+    with pytest.raises(CapacityError):
+        engine.validate(prompts[5][:300], greedy(100))
     chosen = [prompts[1], prompts[2], prompts[3], prompts[4], prompts[0]]
     outs = engine.generate(chosen, greedy(40))
     assert engine.scheduler.num_preemptions > 0, "the pool was meant to be too small for the batch"

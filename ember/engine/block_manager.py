@@ -367,20 +367,24 @@ class BlockManager:
         return sum(1 for w in self.windows if not w) * (self.blocks_needed(seq.num_tokens) - hit)
 
     def _admission_pages(self, seq: Sequence, hit: int) -> int:
+        return self._pages_at_once(seq.num_tokens, hit)
+
+    def _pages_at_once(self, num_tokens: int, hit: int) -> int:
         """Fresh pages admission takes or reserves: full groups' for every block past the hit; each
         chunked group's most held at once while the rest is computed (a chunk and a step's tokens)."""
-        need = self._full_pages(seq, hit)
-        if self.groups is None:
-            return need
-        bs = self.block_size
-        first_block = hit  # (chunked pages before it are hits or not needed)
+        need = sum(1 for w in self.windows if not w) * (self.blocks_needed(num_tokens) - hit)
         for w in self.windows:
             if w:
-                span = self.blocks_needed(seq.num_tokens) - first_block
+                span = self.blocks_needed(num_tokens) - hit  # (chunked pages before it are hits or not needed)
                 if self.max_step_tokens is not None:
                     span = min(span, self.blocks_needed(w) + self.blocks_needed(self.max_step_tokens) + 1)
                 need += max(span, 0)
         return need
+
+    def pages_needed(self, num_tokens: int) -> int:
+        """The most pages one sequence of `num_tokens` tokens holds at once (admitted whole, with nothing
+        cached): more than the pool has, and it could never run. Without groups: its blocks."""
+        return self._pages_at_once(num_tokens, 0)
 
     def _missing(self, seq: Sequence, end_tokens: int) -> int:
         """Pages seq lacks to hold KV up to `end_tokens` (a chunked group: from its next query's chunk)."""

@@ -212,7 +212,7 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
                 f"the model's context length {self.max_model_len}; shorten the prompt or lower max_tokens")
-        if self.block_manager.blocks_needed(total) > self.block_manager.num_blocks:
+        if self.block_manager.pages_needed(total) > self.block_manager.num_blocks:
             raise CapacityError(
                 f"prompt + max_tokens = {total} tokens needs more KV blocks than the pool holds "
                 f"({self.block_manager.num_blocks} blocks of {self.config.block_size}); raise kv_cache_mb")
