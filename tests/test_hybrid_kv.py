@@ -254,6 +254,19 @@ def test_alone_and_batched_the_tokens_of_transformers_and_of_the_allocator_off(c
     assert_no_leak(on.block_manager)
 
 
+def test_on_the_batch_invariant_bf16_path_the_same_tokens_as_the_allocator_off(checkpoint, prompts):
+    """bf16 (the served recipe: keys outside a chunk masked, so the page a given-back entry reads changes
+    no bit), speculative verify steps included (on by default there)."""
+    chosen = [prompts[1], prompts[5][:120]]
+    on = engine_for(checkpoint, dtype="bfloat16", max_num_batched_tokens=48)
+    off = engine_for(checkpoint, dtype="bfloat16", max_num_batched_tokens=48, hybrid_kv=False)
+    assert on.speculative_tokens > 0 and on.block_manager.hybrid
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    assert [o.token_ids for o in on.generate(chosen, params)] == [o.token_ids for o in off.generate(chosen, params)]
+    assert on.stats.num_draft_tokens > 0
+    assert_no_leak(on.block_manager)
+
+
 def test_a_long_decode_holds_a_chunk_of_pages_per_chunked_group(checkpoint, reference, prompts):
     engine = engine_for(checkpoint)
     ids = prompts[5][:100]
