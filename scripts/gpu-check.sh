@@ -44,9 +44,12 @@ export EMBER_TEST_MODEL=/tmp/ember-gpu-model
 python3 -c "from pathlib import Path; from ember.bench.gpu_bench import make_random_model; \
 make_random_model(Path('$EMBER_TEST_MODEL'), Path('$GPU/like'))"
 status=0
-# every GPU test: the Triton kernel against torch, the engine on CUDA (fp32 against transformers, bf16)
+# every GPU test: the Triton kernels against torch (paged decode attention; the int4 W4A16 and fp8
+# block-scaled linears, tests/test_triton_quant_linear.py), the engine on CUDA (fp32 against transformers, bf16)
 timeout 300 python3 -m pytest -q -p no:cacheprovider --timeout 280 -m gpu tests/ 2>&1 \
   | tee "$OUT/gpu-tests.txt" || status=1
+# the quantized linears' errors per shape and dtype, and their time against bf16 F.linear (decode and prefill rows)
+timeout 120 python3 tests/test_triton_quant_linear.py cuda --bench 2>&1 | tee "$OUT/gpu-quant-linear.txt" || status=1
 timeout 240 python3 -m ember.cli bench gpu --model "$EMBER_TEST_MODEL" --output "$OUT/gpu.json" 2>&1 \
   | tee "$OUT/gpu-bench.txt" || status=1
 exit $status

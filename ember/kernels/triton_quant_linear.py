@@ -1,0 +1,316 @@
+"""Quantized linears for the GPU: the published int4 and fp8 weights stay quantized in device memory and
+are dequantized in registers, tile by tile, inside a Triton matmul (fp32 accumulation).
+
+- `Int4GroupLinear` (W4A16; Kimi K2.5's routed experts, compressed-tensors pack-quantized: symmetric
+  int4, one scale per `group` inputs, w = scale * (code - 8)). Layout on the device: `packed`
+  [K/2, N] uint8, two codes a byte (input 2j in the low nibble, 2j + 1 in the high one), and `scale`
+  [K/group, N] as stored (bf16). Why transposed, output dimension contiguous: K is the loop of the
+  matmul and N is what a program's lanes spread over, so each K step loads a [BK/2, BN] tile whose
+  rows are BN contiguous bytes (coalesced, vectorised), and a scale row is read once for a whole
+  group of K; the checkpoint's [N, K/8] int32 words would put the contiguous run along K instead.
+  Two a byte halves the bytes a decode step reads (memory-bound) against one code a byte. The kernel
+  splits the activations' even and odd inputs and does two dots (low nibbles, high nibbles), so each
+  packed byte is loaded once and never interleaved in registers. A code times its scale is rounded
+  to the scale's dtype, as compressed-tensors' decompressor computes it: the kernel multiplies the
+  exact weights of the dequantized (dense) model.
+- `BlockFP8Linear` (DeepSeek-V3 / Kimi K2's fp8: e4m3 weight [N, K] with a float32 scale per
+  (128 x 128) block). The weight stays as stored (K contiguous: the dot's B operand in the K-major
+  order tensor cores want). A K step never crosses a scale block (BK divides the block's columns), so
+  the tile's fp8 values are widened exactly to the activations' dtype, multiplied in one dot, and
+  the [BM, BN] partial sum is scaled by each column's block scale (the block-scaled GEMM's order, as
+  DeepSeek's fp8_gemm does; the arithmetic of the dequantized model up to fp32 rounding). On GPUs
+  without fp8 conversions (compute capability < 8.9, e.g. A100) the kernel decodes the e4m3 bits
+  itself. Activations are never quantized to fp8 (the published config's `dynamic` activations are
+  computed in the serving dtype: ember.model.quant_config).
+
+On CPU the modules fall back to torch (dequantize, then F.linear; exact, slow: the CPU path serves
+these checkpoints dequantized or through ember.kernels.cpu_int4 instead). Under Triton's interpreter
+(TRITON_INTERPRET=1, set before Triton is imported) the kernels run on CPU tensors too: how CI checks
+them (tests/test_triton_quant_linear.py; bf16 tl.dot is wrong in the interpreter, so it checks fp32
+and fp16). Block sizes are fixed heuristics, not autotuned (decode's few rows take 16-row tiles).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+from torch import nn
+
+from ember.model.checkpoint import dequantize_fp8
+
+FP8_BLOCK = (128, 128)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def runs_triton(x: torch.Tensor) -> bool:
+    """Whether a module's forward takes its Triton kernel for `x` (on CUDA, or under the interpreter)."""
+    return x.is_cuda or _interpreting()
+
+
+def _block_m(rows: int) -> int:
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+def _precision(dtype: torch.dtype):
+    """fp32 activations: full-precision dots (tf32 would round the inputs to 10 mantissa bits)."""
+    return "ieee" if dtype == torch.float32 else None
+
+
+# -- W4A16: int4 codes two a byte, a scale per group of inputs ------------------------------------------
+@triton.jit
+def _round_to_bf16(v):
+    """fp32 to the nearest bf16 (ties to even), kept in fp32, from the bits: Triton's interpreter
+    truncates when it casts fp32 to bf16, the GPU rounds; this gives the rounding in both."""
+    bits = v.to(tl.uint32, bitcast=True)
+    bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _int4_group_matmul_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_om,
+                              GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SCALE_BF16: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_j = tl.arange(0, BLOCK_K // 2)  # packed rows of a K step: inputs 2j and 2j + 1
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    half = K // 2
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        rows = k0 // 2 + offs_j
+        j_mask = rows < half
+        w_mask = j_mask[:, None] & n_mask[None, :]
+        byte = tl.load(packed_ptr + rows[:, None].to(tl.int64) * N + offs_n[None, :], mask=w_mask, other=0)
+        # one scale row per group: inputs 2j and 2j + 1 share it (groups are even)
+        scale = tl.load(scale_ptr + ((2 * rows) // GROUP)[:, None].to(tl.int64) * N + offs_n[None, :],
+                        mask=w_mask, other=0.0)
+        x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + 2 * rows[None, :]
+        x_mask = m_mask[:, None] & j_mask[None, :]
+        x_even = tl.load(x_rows, mask=x_mask, other=0.0)
+        x_odd = tl.load(x_rows + 1, mask=x_mask, other=0.0)
+        # w = scale * (code - 8), rounded to the scale's dtype (the decompressor's), then to the activations'
+        low = ((byte & 0xF).to(tl.int32) - 8).to(tl.float32) * scale.to(tl.float32)
+        high = ((byte >> 4).to(tl.int32) - 8).to(tl.float32) * scale.to(tl.float32)
+        if SCALE_BF16:
+            low, high = _round_to_bf16(low), _round_to_bf16(high)
+        low = low.to(scale_ptr.dtype.element_ty).to(x_even.dtype)
+        high = high.to(scale_ptr.dtype.element_ty).to(x_even.dtype)
+        acc += tl.dot(x_even, low, input_precision=PRECISION)
+        acc += tl.dot(x_odd, high, input_precision=PRECISION)
+    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def int4_group_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """x [M, K] (fp32 / fp16 / bf16) @ W.T with W [N, K] given as `packed` [K/2, N] uint8 (pack_int4)
+    and `scale` [K/group, N]; returns [M, N] in x's dtype."""
+    x = x.contiguous()
+    M, K = x.shape
+    N = packed.shape[1]
+    if packed.shape[0] * 2 != K or scale.shape != (K // group, N) or K % group or group % 2:
+        raise ValueError(f"int4 matmul: x {tuple(x.shape)}, packed {tuple(packed.shape)}, scale "
+                         f"{tuple(scale.shape)}, group {group} do not fit (K a multiple of an even group)")
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    block_m, block_n, block_k = _block_m(M), 64, 64
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    _int4_group_matmul_kernel[grid](x, packed, scale, out, M, N, K, x.stride(0), out.stride(0),
+                                    GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                                    PRECISION=_precision(x.dtype), SCALE_BF16=scale.dtype == torch.bfloat16)
+    return out
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """codes [N, K] uint8 in 0..15 -> [K/2, N] uint8: input 2j in the low nibble, 2j + 1 in the high."""
+    t = codes.to(torch.uint8).t()
+    if t.shape[0] % 2:
+        raise ValueError(f"int4 codes need an even number of inputs, got {t.shape[0]}")
+    return (t[0::2] | (t[1::2] << 4)).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """pack_int4's inverse: [K/2, N] -> codes [N, K]."""
+    return torch.stack((packed & 0xF, packed >> 4), dim=1).reshape(-1, packed.shape[1]).t().contiguous()
+
+
+class Int4GroupLinear(nn.Module):
+    """y = x @ W.T, W = scale * (codes - 8) per group of `group` inputs, kept as int4 codes (two a
+    byte) and the checkpoint's scales; `weight_bytes` is what it holds on the device."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, group: int):
+        super().__init__()
+        self.out_features, self.in_features = codes.shape
+        if self.in_features % group or group % 2 or scale.shape != (self.out_features, self.in_features // group):
+            raise ValueError(f"int4 weight {tuple(codes.shape)} with scale {tuple(scale.shape)}: expected "
+                             f"[{self.out_features}, {self.in_features // max(group, 1)}] scales of an even "
+                             f"group {group}")
+        self.group = group
+        self.register_buffer("packed", pack_int4(codes))
+        self.register_buffer("scale", scale.t().contiguous())
+
+    @classmethod
+    def from_packed(cls, weight) -> Int4GroupLinear:
+        """From ember.model.checkpoint.PackedInt4 (what `read_all(keep_int4=...)` returns)."""
+        return cls(weight.codes, weight.scale, weight.group)
+
+    @classmethod
+    def concat(cls, layers: list[Int4GroupLinear]) -> Int4GroupLinear:
+        """One layer whose outputs are `layers`' in order (a fused gate/up or q/k/v)."""
+        if len({(layer.in_features, layer.group, layer.scale.dtype) for layer in layers}) != 1:
+            raise ValueError("int4 layers fused along outputs need the same inputs, group and scale dtype")
+        fused = cls.__new__(cls)
+        nn.Module.__init__(fused)
+        fused.in_features, fused.group = layers[0].in_features, layers[0].group
+        fused.out_features = sum(layer.out_features for layer in layers)
+        fused.register_buffer("packed", torch.cat([layer.packed for layer in layers], dim=1))
+        fused.register_buffer("scale", torch.cat([layer.scale for layer in layers], dim=1))
+        return fused
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scale))
+
+    def dequantize(self) -> torch.Tensor:
+        """W [N, K] in the scale's dtype, as ember.model.checkpoint.PackedInt4.dequantize gives it."""
+        q = unpack_int4(self.packed).to(torch.int8) - 8
+        scale = self.scale.t()
+        return (q.view(self.out_features, -1, self.group).to(scale.dtype) * scale[..., None]).view(q.shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not runs_triton(x):
+            return F.linear(x, self.dequantize().to(x.dtype))
+        y = int4_group_matmul(x.reshape(-1, self.in_features), self.packed, self.scale, self.group)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, group={self.group}"
+
+
+# -- FP8 e4m3 with a float32 scale per (rows x columns) block -----------------------------------------
+@triton.jit
+def _e4m3_bits_to_float(bits):
+    """float8 e4m3fn bits (uint8) to float32, for GPUs without the conversion (no NaN: weights hold none)."""
+    b = bits.to(tl.int32)
+    exponent = (b >> 3) & 0xF
+    mantissa = (b & 0x7).to(tl.float32)
+    magnitude = tl.where(exponent == 0, mantissa * 0.001953125,  # subnormal: m * 2^-9
+                         (8.0 + mantissa) * tl.exp2((exponent - 10).to(tl.float32)))
+    return tl.where((b & 0x80) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _fp8_block_matmul_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
+                             BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE_BITS: tl.constexpr,
+                             PRECISION: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_mask = offs_m < M
+    n_mask = offs_n < N
+    scale_rows = s_ptr + (offs_n // BLOCK_ROWS).to(tl.int64) * stride_sn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + offs_k
+        k_mask = ks < K
+        x = tl.load(x_ptr + offs_m[:, None].to(tl.int64) * stride_xm + ks[None, :],
+                    mask=m_mask[:, None] & k_mask[None, :], other=0.0)
+        w_mask = k_mask[:, None] & n_mask[None, :]
+        w_at = w_ptr + offs_n[None, :].to(tl.int64) * stride_wn + ks[:, None]  # [BK, BN], K contiguous
+        if DECODE_BITS:
+            w = _e4m3_bits_to_float(tl.load(w_at, mask=w_mask, other=0))
+        else:
+            w = tl.load(w_at, mask=w_mask, other=0.0)
+        part = tl.dot(x, w.to(x.dtype), input_precision=PRECISION)  # e4m3 is exact in fp16 / bf16 / fp32
+        scale = tl.load(scale_rows + k0 // BLOCK_COLS, mask=n_mask, other=0.0)  # one K block per step
+        acc += part * scale[None, :]
+    out = out_ptr + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
+
+
+def _fp8_needs_bit_decoding(device: torch.device) -> bool:
+    """Triton converts float8 e4m3 natively from compute capability 8.9 (Ada, Hopper) and in its
+    interpreter; older GPUs get the weight's bits and decode them in the kernel."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9)
+
+
+def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
+                     block: tuple[int, int] = FP8_BLOCK, decode_bits: bool | None = None) -> torch.Tensor:
+    """x [M, K] @ W.T with W = weight [N, K] (float8_e4m3fn) times scale_inv [ceil(N/br), ceil(K/bc)]
+    (float32) per (br x bc) block; returns [M, N] in x's dtype. decode_bits: decode e4m3 from its bits
+    in the kernel (None: where the GPU lacks the conversion)."""
+    x = x.contiguous()
+    M, K = x.shape
+    N = weight.shape[0]
+    rows, cols = block
+    block_k = 64 if cols % 64 == 0 else 32 if cols % 32 == 0 else 16
+    if weight.shape[1] != K or weight.stride(1) != 1 or cols % block_k or \
+            tuple(scale_inv.shape) != (triton.cdiv(N, rows), triton.cdiv(K, cols)):
+        raise ValueError(f"fp8 matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)}, scale_inv "
+                         f"{tuple(scale_inv.shape)}, block {block} do not fit (block columns a multiple of 16)")
+    if decode_bits is None:
+        decode_bits = _fp8_needs_bit_decoding(x.device)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    block_m, block_n = _block_m(M), 64
+    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    _fp8_block_matmul_kernel[grid](x, weight.view(torch.uint8) if decode_bits else weight, scale_inv, out,
+                                   M, N, K, x.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0),
+                                   BLOCK_ROWS=rows, BLOCK_COLS=cols, BLOCK_M=block_m, BLOCK_N=block_n,
+                                   BLOCK_K=block_k, DECODE_BITS=decode_bits, PRECISION=_precision(x.dtype))
+    return out
+
+
+class BlockFP8Linear(nn.Module):
+    """y = x @ W.T, W = fp8 e4m3 weight [N, K] times a float32 scale per `block`, kept as stored;
+    `weight_bytes` is what it holds on the device."""
+
+    def __init__(self, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = FP8_BLOCK):
+        super().__init__()
+        if weight.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"BlockFP8Linear wants float8_e4m3fn weights, got {weight.dtype}")
+        self.out_features, self.in_features = weight.shape
+        self.block = tuple(block)
+        expected = (triton.cdiv(self.out_features, block[0]), triton.cdiv(self.in_features, block[1]))
+        if tuple(scale_inv.shape) != expected:
+            raise ValueError(f"fp8 weight {tuple(weight.shape)} in {block} blocks needs scale_inv {expected}, "
+                             f"got {tuple(scale_inv.shape)}")
+        self.register_buffer("weight", weight.contiguous())
+        self.register_buffer("scale_inv", scale_inv.float().contiguous())
+
+    @classmethod
+    def concat(cls, layers: list[BlockFP8Linear]) -> BlockFP8Linear:
+        """One layer whose outputs are `layers`' in order: each but the last must fill whole blocks of
+        rows (else a block would mix two layers' scales)."""
+        block = layers[0].block
+        if any(layer.block != block or layer.in_features != layers[0].in_features for layer in layers) or \
+                any(layer.out_features % block[0] for layer in layers[:-1]):
+            raise ValueError(f"fp8 layers fused along outputs need the same inputs and blocks, and whole "
+                             f"{block[0]}-row blocks: {[layer.out_features for layer in layers]}")
+        return cls(torch.cat([layer.weight for layer in layers]), torch.cat([layer.scale_inv for layer in layers]),
+                   block)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scale_inv))
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_fp8(self.weight, self.scale_inv, self.block)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not runs_triton(x):
+            return F.linear(x, self.dequantize().to(x.dtype))
+        y = fp8_block_matmul(x.reshape(-1, self.in_features), self.weight, self.scale_inv, self.block)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"

@@ -1,0 +1,209 @@
+"""The GPU's quantized linears (ember.kernels.triton_quant_linear) equal dequantize-then-matmul in fp32:
+the W4A16 group-quantized kernel over Kimi K2.5's int4 codes and the fp8 block-scaled kernel over
+DeepSeek-V3's e4m3 weights, on shapes with partial edge tiles and blocks. Run under Triton's CPU
+interpreter always (this file as a script in a subprocess with TRITON_INTERPRET=1, set before Triton is
+imported; fp32 and fp16: bf16 tl.dot is wrong in the interpreter) and on a GPU when there is one (bf16
+too). Tolerances, as a fraction of the reference's largest output: fp32 1e-5, fp16 1e-3 (the output's
+rounding, 2^-11), bf16 8e-3 (2^-8)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def int4_weight(out_features: int, in_features: int, group: int, seed: int = 0):
+    """A PackedInt4 as ember.model.checkpoint reads it from compressed-tensors' int32 words (eight
+    codes a word, low nibble first), with bf16 scales of Kimi K2.5's magnitude."""
+    from ember.model.checkpoint import PackedInt4, unpack_int4
+    g = torch.Generator().manual_seed(seed)
+    words = torch.randint(-2 ** 31, 2 ** 31, (out_features, -(-in_features // 8)), generator=g, dtype=torch.int64)
+    codes = unpack_int4(words.to(torch.int32), (out_features, in_features))
+    scale = (torch.rand(out_features, in_features // group, generator=g) * 0.02 + 0.002).bfloat16()
+    return PackedInt4(codes, scale, group)
+
+
+def fp8_weight(out_features: int, in_features: int, block=(128, 128), seed: int = 0):
+    """An e4m3 weight [N, K] and its float32 scale per block, as DeepSeek-V3 stores them."""
+    g = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(out_features, in_features, generator=g) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    blocks = (-(-out_features // block[0]), -(-in_features // block[1]))
+    return weight, torch.rand(blocks, generator=g) * 1e-3 + 1e-4
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want).abs().max() / want.abs().max()).item()
+
+
+def check(name: str, got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> float:
+    assert got.dtype == dtype and got.shape == want.shape, (name, got.dtype, got.shape, want.shape)
+    err = relative_error(got.cpu(), want)
+    assert err <= TOLERANCE[dtype], f"{name} {dtype}: relative error {err:.2e} > {TOLERANCE[dtype]:.0e}"
+    return err
+
+
+# -- the kernels (run as a script: under the interpreter on CPU, or on a GPU) --------------------------
+def check_kernels(device: str) -> list[str]:
+    from ember.kernels.triton_quant_linear import BlockFP8Linear, Int4GroupLinear, fp8_block_matmul
+    dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if device == "cuda" else [])
+    small = device == "cpu"  # the interpreter is ~1000x slower than torch: small shapes, every edge
+    lines = []
+    g = torch.Generator().manual_seed(1)
+    # int4: K a tile and a half (BK 64), N past a 64-column tile, rows past a 16- and a 32-row tile
+    int4_shapes = [(5, 72, 96, 32), (20, 40, 80, 16), (1, 64, 192, 64)] if small else \
+        [(1, 7168, 2048, 32), (7, 2048, 7168, 32), (300, 1000, 7168, 32), (33, 200, 96, 32)]
+    for rows, out_features, in_features, group in int4_shapes:
+        weight = int4_weight(out_features, in_features, group)
+        layer = Int4GroupLinear.from_packed(weight).to(device)
+        want_w = weight.dequantize().float()
+        assert torch.equal(layer.dequantize().cpu(), weight.dequantize()), "the GPU layout round trip"
+        for dtype in dtypes:
+            x = torch.randn(rows, in_features, generator=g).to(dtype)
+            err = check(f"int4 {rows}x{in_features}->{out_features} g{group}", layer(x.to(device)),
+                        x.float() @ want_w.T, dtype)
+            lines.append(f"int4 M={rows} N={out_features} K={in_features} group={group} {dtype}: {err:.1e}")
+    # a 3-D input through the module, and a fused gate/up
+    gate, up = int4_weight(48, 64, 32, seed=2), int4_weight(24, 64, 32, seed=3)
+    fused = Int4GroupLinear.concat([Int4GroupLinear.from_packed(gate), Int4GroupLinear.from_packed(up)]).to(device)
+    x = torch.randn(2, 3, 64, generator=g)
+    want = torch.cat([gate.dequantize(), up.dequantize()]).float()
+    check("int4 fused 3-D", fused(x.to(device)), x @ want.T, torch.float32)
+    # fp8: rows not a multiple of 128 (a partial block of rows), K past a 128-column block and a 64-column tile
+    fp8_shapes = [(3, 200, 160, (128, 128)), (17, 72, 96, (64, 32))] if small else \
+        [(1, 7168, 2048, (128, 128)), (7, 1000, 7168, (128, 128)), (300, 1536, 7168, (128, 128))]
+    for rows, out_features, in_features, block in fp8_shapes:
+        weight, scale = fp8_weight(out_features, in_features, block)
+        layer = BlockFP8Linear(weight, scale, block).to(device)
+        want_w = layer.dequantize().cpu()
+        for dtype in dtypes:
+            x = torch.randn(rows, in_features, generator=g).to(dtype)
+            want = x.float() @ want_w.T
+            err = check(f"fp8 {rows}x{in_features}->{out_features}", layer(x.to(device)), want, dtype)
+            bits = fp8_block_matmul(x.to(device), layer.weight, layer.scale_inv, block, decode_bits=True)
+            check(f"fp8 bits {rows}x{in_features}->{out_features}", bits, want, dtype)
+            lines.append(f"fp8 M={rows} N={out_features} K={in_features} block={block} {dtype}: {err:.1e}")
+    q, kv = fp8_weight(256, 160, seed=4), fp8_weight(40, 160, seed=5)
+    fused = BlockFP8Linear.concat([BlockFP8Linear(*q), BlockFP8Linear(*kv)]).to(device)
+    x = torch.randn(4, 160, generator=g)
+    want = torch.cat([BlockFP8Linear(*q).dequantize(), BlockFP8Linear(*kv).dequantize()])
+    check("fp8 fused", fused(x.to(device)), x @ want.T, torch.float32)
+    return lines
+
+
+def timed(fn, x: torch.Tensor, n: int = 50) -> float:
+    """Microseconds a call, on the GPU, after a warm-up."""
+    for _ in range(3):
+        fn(x)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(n):
+        fn(x)
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / n * 1e6
+
+
+def bench(device: str) -> list[str]:
+    """Decode-step (1 row) and prefill (512 rows) times on the GPU against bf16 F.linear of the dequantized
+    weight: what the quantized layers save in bytes and what they cost or gain in time."""
+    from ember.kernels.triton_quant_linear import BlockFP8Linear, Int4GroupLinear
+    lines = []
+    for kind, layer in (("int4", Int4GroupLinear.from_packed(int4_weight(7168, 2048, 32))),
+                        ("int4", Int4GroupLinear.from_packed(int4_weight(4096, 7168, 32))),
+                        ("fp8", BlockFP8Linear(*fp8_weight(7168, 2048))),
+                        ("fp8", BlockFP8Linear(*fp8_weight(4096, 7168)))):
+        layer = layer.to(device)
+        dense = layer.dequantize().to(device, torch.bfloat16)
+        for rows in (1, 512):
+            x = torch.randn(rows, layer.in_features, device=device, dtype=torch.bfloat16)
+            times = [timed(layer, x), timed(lambda t, w=dense: F.linear(t, w), x)]
+            lines.append(f"bench {kind} {layer.out_features}x{layer.in_features} M={rows}: {times[0]:.1f} us "
+                         f"({layer.weight_bytes / 2 ** 20:.1f} MiB) vs bf16 F.linear {times[1]:.1f} us "
+                         f"({dense.numel() * 2 / 2 ** 20:.1f} MiB)")
+    return lines
+
+
+def run_script(device: str, interpret: bool, *extra: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               OMP_NUM_THREADS="2")
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"  # read when kernels are defined: set before import
+    return subprocess.run([sys.executable, __file__, device, *extra], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=ROOT)
+
+
+def test_quant_kernels_under_the_triton_interpreter():
+    proc = run_script("cpu", interpret=True)
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the interpreter twin runs on CPU")
+def test_quant_kernels_on_gpu():
+    proc = run_script("cuda", interpret=False)
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+# -- the modules on CPU (torch's fallback; no interpreter) ---------------------------------------------
+@pytest.fixture
+def no_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def test_int4_layer_keeps_two_codes_a_byte_and_falls_back_to_torch_on_cpu(no_interpreter):
+    from ember.kernels.triton_quant_linear import Int4GroupLinear, pack_int4, runs_triton, unpack_int4
+    weight = int4_weight(48, 96, 32)
+    layer = Int4GroupLinear.from_packed(weight)
+    assert layer.packed.dtype == torch.uint8 and layer.packed.shape == (48, 48)  # [K/2, N]
+    assert layer.weight_bytes == 48 * 96 // 2 + 48 * 3 * 2  # codes at half a byte, bf16 scales
+    assert torch.equal(unpack_int4(pack_int4(weight.codes)), weight.codes)
+    assert int(layer.packed[0, 0]) == int(weight.codes[0, 0]) | int(weight.codes[0, 1]) << 4
+    x = torch.randn(2, 5, 96)
+    assert not runs_triton(x)
+    assert torch.equal(layer(x), F.linear(x, weight.dequantize().float()))
+    assert {n for n, _ in layer.named_buffers()} == {"packed", "scale"}  # (moved by .to(device) with the model)
+
+
+def test_fp8_layer_keeps_the_stored_weight_and_falls_back_to_torch_on_cpu(no_interpreter):
+    from ember.kernels.triton_quant_linear import BlockFP8Linear
+    from ember.model.checkpoint import dequantize_fp8
+    weight, scale = fp8_weight(200, 160)
+    layer = BlockFP8Linear(weight, scale)
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_bytes == 200 * 160 + 4 * 4
+    x = torch.randn(3, 160)
+    assert torch.equal(layer(x), F.linear(x, dequantize_fp8(weight, scale, (128, 128))))
+
+
+def test_quantized_layers_refuse_what_they_cannot_serve():
+    from ember.kernels.triton_quant_linear import BlockFP8Linear, Int4GroupLinear
+    weight = int4_weight(8, 64, 32)
+    with pytest.raises(ValueError, match="scales"):
+        Int4GroupLinear(weight.codes, weight.scale[:, :1], 32)
+    with pytest.raises(ValueError, match="group"):
+        Int4GroupLinear.concat([Int4GroupLinear.from_packed(weight),
+                                Int4GroupLinear.from_packed(int4_weight(8, 64, 16))])
+    w, s = fp8_weight(200, 160)
+    with pytest.raises(ValueError, match="scale_inv"):
+        BlockFP8Linear(w, s[:1])
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        BlockFP8Linear(w.float(), s)
+    with pytest.raises(ValueError, match="whole 128-row blocks"):  # a block would mix two layers' scales
+        BlockFP8Linear.concat([BlockFP8Linear(w, s), BlockFP8Linear(w, s)])
+
+
+if __name__ == "__main__":
+    where = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    torch.manual_seed(0)
+    report = check_kernels(where)
+    if "--bench" in sys.argv:
+        report += bench(where)
+    print("\n".join(report))
+    print("ok")
