@@ -111,6 +111,55 @@ def timed(fn, x: torch.Tensor, n: int = 50) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
+def experts_reference(rows: torch.Tensor, counts: list[int], first: int, weights, out: torch.Tensor) -> torch.Tensor:
+    """MoE's per-expert loop in fp32 over dequantized (gate, up, down) weights, one per local expert."""
+    out = out.float().clone()
+    ends = torch.tensor(counts).cumsum(0).tolist()
+    for local, (gate, up, down) in enumerate(weights):
+        e = first + local
+        start, end = (ends[e - 1] if e else 0), ends[e]
+        x = rows[start:end].float()
+        out[start:end] = F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    return out
+
+
+def check_experts(device: str) -> list[str]:
+    """The grouped experts (one launch per matmul over every local expert's row tiles) against the loop:
+    an expert with no rows, one with more rows than a tile, a rank holding experts 1..5 of 7 (the
+    others' rows of `out` untouched)."""
+    from ember.kernels.triton_quant_linear import BlockFP8Experts, Int4GroupExperts
+    dtypes = [torch.float32, torch.float16] + ([torch.bfloat16] if device == "cuda" else [])
+    counts, first, local = [3, 0, 17, 1, 5, 2, 4], 1, 5
+    if device == "cuda":
+        counts = [c * 37 for c in counts]  # past 64-row tiles
+    g = torch.Generator().manual_seed(6)
+    lines = []
+    hidden, inter = 96, 64
+    parts = [[int4_weight(inter, hidden, 32, seed=10 * e + i) for i in range(2)] + [int4_weight(hidden, inter, 32,
+                                                                                                seed=10 * e + 2)]
+             for e in range(local)]
+    int4 = Int4GroupExperts(parts).to(device)
+    int4_w = [[p.dequantize().float() for p in expert] for expert in parts]
+    hidden8, inter8 = 96, 128
+    parts8 = [[fp8_weight(inter8, hidden8, seed=10 * e + i) for i in range(2)] + [fp8_weight(hidden8, inter8,
+                                                                                             seed=10 * e + 2)]
+              for e in range(local)]
+    fp8 = BlockFP8Experts(parts8).to(device)
+    from ember.model.checkpoint import dequantize_fp8
+    fp8_w = [[dequantize_fp8(w, s, (128, 128)) for w, s in expert] for expert in parts8]
+    for name, experts, weights, width in (("int4", int4, int4_w, hidden), ("fp8", fp8, fp8_w, hidden8)):
+        for dtype in dtypes:
+            rows = torch.randn(sum(counts), width, generator=g).to(dtype)
+            out = torch.full_like(rows, 7.0)
+            want = experts_reference(rows, counts, first, weights, out)
+            got = experts(rows.to(device), torch.tensor(counts, device=device), first, out.to(device))
+            err = check(f"{name} experts", got, want, dtype)
+            outside = torch.cat([got[:counts[0]], got[sum(counts[:first + local]):]]).cpu()
+            assert bool((outside == 7).all()), f"{name} experts wrote rows of experts they do not hold"
+            lines.append(f"{name} experts rows={sum(counts)} {dtype}: {err:.1e}")
+    return lines
+
+
 def bench(device: str) -> list[str]:
     """Decode-step (1 row) and prefill (512 rows) times on the GPU against bf16 F.linear of the dequantized
     weight: what the quantized layers save in bytes and what they cost or gain in time."""
@@ -182,6 +231,37 @@ def test_fp8_layer_keeps_the_stored_weight_and_falls_back_to_torch_on_cpu(no_int
     assert torch.equal(layer(x), F.linear(x, dequantize_fp8(weight, scale, (128, 128))))
 
 
+def test_expert_tiles_cover_each_local_row_once():
+    from ember.kernels.triton_quant_linear import expert_tiles
+    counts = torch.tensor([3, 0, 40, 1, 0, 5, 2])
+    tiles = expert_tiles(counts, 1, 6, int(counts.sum()))
+    assert tiles.block_m == 16 and tiles.count == 51 // 16 + 5
+    covered = torch.zeros(int(counts.sum()), dtype=torch.int64)
+    for expert, start, end in tiles.table.tolist():
+        if start < end:
+            assert 0 <= expert < 5
+            rows = slice(start, min(end, start + tiles.block_m))
+            covered[rows] += 1
+            owner = torch.repeat_interleave(torch.arange(7), counts)[rows]
+            assert bool((owner == expert + 1).all()), "a tile crosses experts"
+    # experts 1..5 hold rows 3..48 (0, 40, 1, 0 and 5 rows); expert 0's and 6's are not this rank's
+    assert covered[3:49].tolist() == [1] * 46 and covered[:3].sum() == covered[49:].sum() == 0
+    assert sum(1 for _, start, end in tiles.table.tolist() if start < end) == 3 + 1 + 1  # ceil(rows / 16) each
+
+
+def test_experts_fall_back_to_torch_on_cpu(no_interpreter):
+    from ember.kernels.triton_quant_linear import Int4GroupExperts
+    parts = [[int4_weight(64, 96, 32, seed=3 * e + i) for i in range(2)] + [int4_weight(96, 64, 32, seed=3 * e + 2)]
+             for e in range(2)]
+    experts = Int4GroupExperts(parts)
+    assert experts.nbytes == 2 * (128 * 96 // 2 + 128 * 3 * 2 + 96 * 64 // 2 + 96 * 2 * 2)
+    counts, rows = [2, 4, 1], torch.randn(7, 96)
+    out = torch.full_like(rows, 7.0)
+    want = experts_reference(rows, counts, 1, [[p.dequantize().float() for p in e] for e in parts], out)
+    got = experts(rows, torch.tensor(counts), 1, out)
+    assert got is out and relative_error(got, want) < 1e-6
+
+
 def test_quantized_layers_refuse_what_they_cannot_serve():
     from ember.kernels.triton_quant_linear import BlockFP8Linear, Int4GroupLinear
     weight = int4_weight(8, 64, 32)
@@ -202,7 +282,7 @@ def test_quantized_layers_refuse_what_they_cannot_serve():
 if __name__ == "__main__":
     where = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     torch.manual_seed(0)
-    report = check_kernels(where)
+    report = check_kernels(where) + check_experts(where)
     if "--bench" in sys.argv:
         report += bench(where)
     print("\n".join(report))

@@ -23,6 +23,11 @@ are dequantized in registers, tile by tile, inside a Triton matmul (fp32 accumul
   itself. Activations are never quantized to fp8 (the published config's `dynamic` activations are
   computed in the serving dtype: ember.model.quant_config).
 
+- `Int4GroupExperts` / `BlockFP8Experts`: a MoE layer's routed experts in the same layouts, stacked,
+  as ember.model.moe.MoE's `fused` experts (the interface of ember.kernels.cpu_moe.Int4Experts): the
+  same kernels in a grouped mode, one launch for every active expert's gate/up and one for down,
+  over row tiles of one expert each, computed on the device from the step's expert counts.
+
 On CPU the modules fall back to torch (dequantize, then F.linear; exact, slow: the CPU path serves
 these checkpoints dequantized or through ember.kernels.cpu_int4 instead). Under Triton's interpreter
 (TRITON_INTERPRET=1, set before Triton is imported) the kernels run on CPU tensors too: how CI checks
@@ -32,6 +37,7 @@ and fp16). Block sizes are fixed heuristics, not autotuned (decode's few rows ta
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +57,40 @@ def _interpreting() -> bool:
 def runs_triton(x: torch.Tensor) -> bool:
     """Whether a module's forward takes its Triton kernel for `x` (on CUDA, or under the interpreter)."""
     return x.is_cuda or _interpreting()
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """A grouped matmul's row tiles (expert_tiles): `table` [count, 3] int32 of (local expert, first
+    row, end row), each tile at most `block_m` rows of one expert; spare tiles have no rows."""
+    table: torch.Tensor
+    block_m: int
+
+    @property
+    def count(self) -> int:
+        return self.table.shape[0]
+
+
+def expert_tiles(counts: torch.Tensor, first: int, last: int, rows: int) -> Tiles:
+    """The tiles of the local experts [first, last)'s rows, for rows grouped by expert (`counts` per
+    expert, all of them). Computed on the device from `counts`, without reading it back (no sync, as
+    a captured step wants): the grid is a bound on the tiles, rows // block_m + local experts (never
+    more than rows), and the tiles past the real ones are empty (their programs return at once)."""
+    local = last - first
+    block_m = _block_m(max(1, rows // max(1, counts.shape[0])))  # (the rows an expert gets on average)
+    count = max(1, min(rows, rows // block_m + local))
+    counts = counts.to(torch.int64)
+    starts = (torch.cumsum(counts, 0) - counts)[first:last]
+    sizes = counts[first:last]
+    per_expert = (sizes + block_m - 1) // block_m
+    ends = torch.cumsum(per_expert, 0)
+    tile = torch.arange(count, device=counts.device)
+    expert = torch.searchsorted(ends, tile, right=True).clamp_(max=local - 1)
+    real = tile < ends[-1]
+    first_row = starts[expert] + (tile - (ends - per_expert)[expert]) * block_m
+    end_row = starts[expert] + sizes[expert]
+    table = torch.stack([expert, torch.where(real, first_row, 0), torch.where(real, end_row, 0)], dim=1)
+    return Tiles(table.to(torch.int32).contiguous(), block_m)
 
 
 def _block_m(rows: int) -> int:
@@ -73,15 +113,27 @@ def _round_to_bf16(v):
 
 
 @triton.jit
-def _int4_group_matmul_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, stride_xm, stride_om,
-                              GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, SCALE_BF16: tl.constexpr):
+def _int4_group_matmul_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, tiles_ptr, M, N, K, stride_xm, stride_om,
+                              stride_we, stride_se, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                              SCALE_BF16: tl.constexpr, GROUPED: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if GROUPED:  # one expert's rows (expert_tiles: [expert, first row, end row]); its weights
+        expert = tl.load(tiles_ptr + 3 * pid_m).to(tl.int64)
+        start = tl.load(tiles_ptr + 3 * pid_m + 1)
+        end = tl.load(tiles_ptr + 3 * pid_m + 2)
+        packed_ptr += expert * stride_we
+        scale_ptr += expert * stride_se
+    else:
+        start = pid_m * BLOCK_M
+        end = M
+    if start >= end:  # (a spare tile of the grouped grid's upper bound)
+        return
+    offs_m = start + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_j = tl.arange(0, BLOCK_K // 2)  # packed rows of a K step: inputs 2j and 2j + 1
-    m_mask = offs_m < M
+    m_mask = offs_m < end
     n_mask = offs_n < N
     half = K // 2
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -110,21 +162,26 @@ def _int4_group_matmul_kernel(x_ptr, packed_ptr, scale_ptr, out_ptr, M, N, K, st
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & n_mask[None, :])
 
 
-def int4_group_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+def int4_group_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, group: int,
+                      tiles: Tiles | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (fp32 / fp16 / bf16) @ W.T with W [N, K] given as `packed` [K/2, N] uint8 (pack_int4)
-    and `scale` [K/group, N]; returns [M, N] in x's dtype."""
+    and `scale` [K/group, N]; returns [M, N] in x's dtype. Grouped (`tiles`, expert_tiles): packed
+    [E, K/2, N] and scale [E, K/group, N], each tile's rows times its expert's W, into `out`'s rows
+    (the rows of no tile are left as they are)."""
     x = x.contiguous()
     M, K = x.shape
-    N = packed.shape[1]
-    if packed.shape[0] * 2 != K or scale.shape != (K // group, N) or K % group or group % 2:
+    N = packed.shape[-1]
+    if packed.shape[-2] * 2 != K or scale.shape[-2:] != (K // group, N) or K % group or group % 2:
         raise ValueError(f"int4 matmul: x {tuple(x.shape)}, packed {tuple(packed.shape)}, scale "
                          f"{tuple(scale.shape)}, group {group} do not fit (K a multiple of an even group)")
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k = _block_m(M), 64, 64
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
-    _int4_group_matmul_kernel[grid](x, packed, scale, out, M, N, K, x.stride(0), out.stride(0),
-                                    GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                                    PRECISION=_precision(x.dtype), SCALE_BF16=scale.dtype == torch.bfloat16)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
+    block_m = _block_m(M) if tiles is None else tiles.block_m
+    grid = (triton.cdiv(M, block_m) if tiles is None else tiles.count, triton.cdiv(N, 64))
+    per_expert = (packed.stride(0), scale.stride(0)) if tiles is not None else (0, 0)
+    _int4_group_matmul_kernel[grid](x, packed, scale, out, x if tiles is None else tiles.table, M, N, K,
+                                    x.stride(0), out.stride(0), *per_expert, GROUP=group, BLOCK_M=block_m,
+                                    BLOCK_N=64, BLOCK_K=64, PRECISION=_precision(x.dtype),
+                                    SCALE_BF16=scale.dtype == torch.bfloat16, GROUPED=tiles is not None)
     return out
 
 
@@ -139,6 +196,14 @@ def pack_int4(codes: torch.Tensor) -> torch.Tensor:
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """pack_int4's inverse: [K/2, N] -> codes [N, K]."""
     return torch.stack((packed & 0xF, packed >> 4), dim=1).reshape(-1, packed.shape[1]).t().contiguous()
+
+
+def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """W [N, K] in the scale's dtype from the device layout (packed [K/2, N], scale [K/group, N]), as
+    ember.model.checkpoint.PackedInt4.dequantize gives it."""
+    q = unpack_int4(packed).to(torch.int8) - 8
+    s = scale.t()
+    return (q.view(q.shape[0], -1, group).to(s.dtype) * s[..., None]).view(q.shape)
 
 
 class Int4GroupLinear(nn.Module):
@@ -180,9 +245,7 @@ class Int4GroupLinear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """W [N, K] in the scale's dtype, as ember.model.checkpoint.PackedInt4.dequantize gives it."""
-        q = unpack_int4(self.packed).to(torch.int8) - 8
-        scale = self.scale.t()
-        return (q.view(self.out_features, -1, self.group).to(scale.dtype) * scale[..., None]).view(q.shape)
+        return dequantize_int4(self.packed, self.scale, self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not runs_triton(x):
@@ -207,16 +270,27 @@ def _e4m3_bits_to_float(bits):
 
 
 @triton.jit
-def _fp8_block_matmul_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
-                             BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DECODE_BITS: tl.constexpr,
-                             PRECISION: tl.constexpr):
+def _fp8_block_matmul_kernel(x_ptr, w_ptr, s_ptr, out_ptr, tiles_ptr, M, N, K, stride_xm, stride_wn, stride_sn,
+                             stride_om, stride_we, stride_se, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             DECODE_BITS: tl.constexpr, PRECISION: tl.constexpr, GROUPED: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if GROUPED:  # one expert's rows (expert_tiles: [expert, first row, end row]); its weights
+        expert = tl.load(tiles_ptr + 3 * pid_m).to(tl.int64)
+        start = tl.load(tiles_ptr + 3 * pid_m + 1)
+        end = tl.load(tiles_ptr + 3 * pid_m + 2)
+        w_ptr += expert * stride_we
+        s_ptr += expert * stride_se
+    else:
+        start = pid_m * BLOCK_M
+        end = M
+    if start >= end:  # (a spare tile of the grouped grid's upper bound)
+        return
+    offs_m = start + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < M
+    m_mask = offs_m < end
     n_mask = offs_n < N
     scale_rows = s_ptr + (offs_n // BLOCK_ROWS).to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -245,28 +319,32 @@ def _fp8_needs_bit_decoding(device: torch.device) -> bool:
 
 
 def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
-                     block: tuple[int, int] = FP8_BLOCK, decode_bits: bool | None = None) -> torch.Tensor:
+                     block: tuple[int, int] = FP8_BLOCK, decode_bits: bool | None = None,
+                     tiles: Tiles | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] @ W.T with W = weight [N, K] (float8_e4m3fn) times scale_inv [ceil(N/br), ceil(K/bc)]
     (float32) per (br x bc) block; returns [M, N] in x's dtype. decode_bits: decode e4m3 from its bits
-    in the kernel (None: where the GPU lacks the conversion)."""
+    in the kernel (None: where the GPU lacks the conversion). Grouped (`tiles`, expert_tiles): weight
+    [E, N, K] and scale_inv [E, ...], each tile's rows times its expert's W, into `out`'s rows."""
     x = x.contiguous()
     M, K = x.shape
-    N = weight.shape[0]
+    N = weight.shape[-2]
     rows, cols = block
     block_k = 64 if cols % 64 == 0 else 32 if cols % 32 == 0 else 16
-    if weight.shape[1] != K or weight.stride(1) != 1 or cols % block_k or \
-            tuple(scale_inv.shape) != (triton.cdiv(N, rows), triton.cdiv(K, cols)):
+    if weight.shape[-1] != K or weight.stride(-1) != 1 or cols % block_k or \
+            tuple(scale_inv.shape[-2:]) != (triton.cdiv(N, rows), triton.cdiv(K, cols)):
         raise ValueError(f"fp8 matmul: x {tuple(x.shape)}, weight {tuple(weight.shape)}, scale_inv "
                          f"{tuple(scale_inv.shape)}, block {block} do not fit (block columns a multiple of 16)")
     if decode_bits is None:
         decode_bits = _fp8_needs_bit_decoding(x.device)
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    block_m, block_n = _block_m(M), 64
-    grid = (triton.cdiv(M, block_m), triton.cdiv(N, block_n))
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device) if out is None else out
+    block_m = _block_m(M) if tiles is None else tiles.block_m
+    grid = (triton.cdiv(M, block_m) if tiles is None else tiles.count, triton.cdiv(N, 64))
+    per_expert = (weight.stride(0), scale_inv.stride(0)) if tiles is not None else (0, 0)
     _fp8_block_matmul_kernel[grid](x, weight.view(torch.uint8) if decode_bits else weight, scale_inv, out,
-                                   M, N, K, x.stride(0), weight.stride(0), scale_inv.stride(0), out.stride(0),
-                                   BLOCK_ROWS=rows, BLOCK_COLS=cols, BLOCK_M=block_m, BLOCK_N=block_n,
-                                   BLOCK_K=block_k, DECODE_BITS=decode_bits, PRECISION=_precision(x.dtype))
+                                   x if tiles is None else tiles.table, M, N, K, x.stride(0), weight.stride(-2),
+                                   scale_inv.stride(-2), out.stride(0), *per_expert, BLOCK_ROWS=rows, BLOCK_COLS=cols,
+                                   BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, DECODE_BITS=decode_bits,
+                                   PRECISION=_precision(x.dtype), GROUPED=tiles is not None)
     return out
 
 
@@ -314,3 +392,105 @@ class BlockFP8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, block={self.block}"
+
+
+# -- a MoE layer's routed experts, one grouped launch per matmul ------------------------------------------
+class _GroupedExperts(nn.Module):
+    """ember.model.moe.MoE's `fused` experts on the GPU: `self(rows, counts, first, out)` computes
+    out[r] = down(silu(gate(rows[r])) * up(rows[r])) with rows[r]'s expert's weights, for the rows of
+    this module's experts [first, first + num_experts) (rows grouped by expert, `counts` per expert of
+    the whole model); other rows of `out` are left as they are (another rank's experts). Two grouped
+    launches a step (gate/up, then down) over every active local expert's row tiles (expert_tiles), as
+    vLLM's fused MoE does, rather than one launch per expert. Off the GPU, one expert at a time in torch."""
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor, first: int, out: torch.Tensor) -> torch.Tensor:
+        if out.dtype != rows.dtype or not out.is_contiguous():
+            raise ValueError(f"experts: out must be contiguous in the rows' dtype {rows.dtype}, got {out.dtype}")
+        if not runs_triton(rows):
+            return self._one_at_a_time(rows, counts, first, out)
+        tiles = expert_tiles(counts, first, first + self.num_experts, rows.shape[0])
+        gate_up = self._matmul("gate_up", rows.contiguous(), tiles, torch.empty(
+            rows.shape[0], 2 * self.intermediate, dtype=rows.dtype, device=rows.device))
+        gate, up = gate_up.chunk(2, dim=-1)  # (rows of no local expert hold garbage, never read below)
+        self._matmul("down", F.silu(gate) * up, tiles, out)
+        return out
+
+    def _one_at_a_time(self, rows, counts, first, out):
+        ends = counts.cumsum(0).tolist()
+        for local in range(self.num_experts):
+            expert = first + local
+            start, end = (ends[expert - 1] if expert else 0), ends[expert]
+            if start < end:
+                gate_up, down = (w.to(rows.dtype) for w in self.dequantize(local))
+                gate, up = F.linear(rows[start:end], gate_up).chunk(2, dim=-1)
+                out[start:end] = F.linear(F.silu(gate) * up, down)
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every local expert's weights as kept (MoE.expert_bytes)."""
+        return sum(t.numel() * t.element_size() for t in self.buffers())
+
+
+class Int4GroupExperts(_GroupedExperts):
+    """Routed experts kept as int4 (Kimi K2.5's): `experts` one (gate, up, down) per local expert, each
+    an ember.model.checkpoint.PackedInt4 or a (codes [out, in] uint8 0..15, scale [out, in / group])
+    pair. Stacked in Int4GroupLinear's layout; gate and up fused along outputs (gate first, as MoE's)."""
+
+    def __init__(self, experts):
+        super().__init__()
+        layers = [[_int4_layer(part) for part in expert] for expert in experts]
+        gate_up = [Int4GroupLinear.concat([gate, up]) for gate, up, _ in layers]
+        down = [dn for _, _, dn in layers]
+        self.num_experts, self.group = len(layers), down[0].group
+        self.hidden, self.intermediate = down[0].out_features, down[0].in_features
+        self.register_buffer("gate_up_packed", torch.stack([m.packed for m in gate_up]))
+        self.register_buffer("gate_up_scale", torch.stack([m.scale for m in gate_up]))
+        self.register_buffer("down_packed", torch.stack([m.packed for m in down]))
+        self.register_buffer("down_scale", torch.stack([m.scale for m in down]))
+
+    def _matmul(self, which: str, x: torch.Tensor, tiles: Tiles, out: torch.Tensor) -> torch.Tensor:
+        return int4_group_matmul(x, getattr(self, which + "_packed"), getattr(self, which + "_scale"), self.group,
+                                 tiles=tiles, out=out)
+
+    def dequantize(self, local: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local expert `local`'s (gate_up [2I, H], down [H, I]) in the scales' dtype."""
+        return (dequantize_int4(self.gate_up_packed[local], self.gate_up_scale[local], self.group),
+                dequantize_int4(self.down_packed[local], self.down_scale[local], self.group))
+
+
+def _int4_layer(part) -> Int4GroupLinear:
+    if isinstance(part, Int4GroupLinear):
+        return part
+    if isinstance(part, tuple):
+        codes, scale = (torch.as_tensor(t) for t in part)
+        return Int4GroupLinear(codes, scale, codes.shape[1] // scale.shape[1])
+    return Int4GroupLinear.from_packed(part)
+
+
+class BlockFP8Experts(_GroupedExperts):
+    """Routed experts kept as fp8 (DeepSeek-V3's): `experts` one (gate, up, down) per local expert, each
+    a (float8_e4m3fn weight [out, in], float32 scale_inv per `block`) pair or a BlockFP8Linear. Gate
+    and up fused along outputs (the intermediate size a whole number of blocks of rows)."""
+
+    def __init__(self, experts, block: tuple[int, int] = FP8_BLOCK):
+        super().__init__()
+        layers = [[p if isinstance(p, BlockFP8Linear) else BlockFP8Linear(*p, block) for p in expert]
+                  for expert in experts]
+        gate_up = [BlockFP8Linear.concat([gate, up]) for gate, up, _ in layers]
+        down = [dn for _, _, dn in layers]
+        self.num_experts, self.block = len(layers), down[0].block
+        self.hidden, self.intermediate = down[0].out_features, down[0].in_features
+        self.register_buffer("gate_up_weight", torch.stack([m.weight for m in gate_up]))
+        self.register_buffer("gate_up_scale_inv", torch.stack([m.scale_inv for m in gate_up]))
+        self.register_buffer("down_weight", torch.stack([m.weight for m in down]))
+        self.register_buffer("down_scale_inv", torch.stack([m.scale_inv for m in down]))
+
+    def _matmul(self, which: str, x: torch.Tensor, tiles: Tiles, out: torch.Tensor) -> torch.Tensor:
+        return fp8_block_matmul(x, getattr(self, which + "_weight"), getattr(self, which + "_scale_inv"),
+                                self.block, tiles=tiles, out=out)
+
+    def dequantize(self, local: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local expert `local`'s (gate_up [2I, H], down [H, I]) in float32."""
+        return (dequantize_fp8(self.gate_up_weight[local], self.gate_up_scale_inv[local], self.block),
+                dequantize_fp8(self.down_weight[local], self.down_scale_inv[local], self.block))
