@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -160,6 +161,49 @@ def check_experts(device: str) -> list[str]:
     return lines
 
 
+def quantized_moe(local=(1, 6), hidden=96, inter=64, experts=7):
+    """ember.model.moe.MoE holding experts [local) of `experts` as int4 (Int4GroupExperts), and the
+    (gate, up, down) weights they stand for in fp32."""
+    from types import SimpleNamespace
+
+    from ember.kernels.triton_quant_linear import Int4GroupExperts, use_quantized_experts
+    from ember.model.args import MoEArgs
+    from ember.model.moe import MoE
+    args = SimpleNamespace(hidden_size=hidden, moe=MoEArgs(num_experts=experts, top_k=2, intermediate_size=inter,
+                                                           layers=(True,), router="softmax", local_experts=local))
+    moe = MoE(args)
+    with torch.no_grad():
+        moe.router.copy_(torch.randn(experts, hidden, generator=torch.Generator().manual_seed(7)) / hidden ** 0.5)
+    parts = [[int4_weight(inter, hidden, 32, seed=10 * e + i) for i in range(2)] + [int4_weight(hidden, inter, 32,
+                                                                                                seed=10 * e + 2)]
+             for e in range(*local)]
+    use_quantized_experts(moe, Int4GroupExperts(parts))
+    return moe, [[p.dequantize().float() for p in expert] for expert in parts]
+
+
+def moe_reference(moe, weights, x: torch.Tensor) -> torch.Tensor:
+    """The same MoE (router, slots, combine) with its experts computed by experts_reference in fp32."""
+    from ember.model.moe import MoE
+    ref = MoE(SimpleNamespace(hidden_size=moe.router.shape[1], moe=moe.spec))
+    ref.router = moe.router
+    ref.fused = lambda rows, counts, first, out: out.copy_(
+        experts_reference(rows, counts.tolist(), first, weights, out).to(out.dtype))
+    with torch.no_grad():
+        return ref(x)
+
+
+def check_moe(device: str) -> list[str]:
+    """MoE.forward on the grouped int4 experts (the hook's path: MoE.fused) against its fp32 loop."""
+    moe, weights = quantized_moe()
+    moe = moe.to(device)
+    assert moe.fused.gate_up_packed.device.type == torch.device(device).type, "the experts move with the model"
+    x = torch.randn(9, 96, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        got = moe(x.to(device))
+    err = check("MoE on int4 experts", got, moe_reference(moe.cpu(), weights, x), torch.float32)
+    return [f"MoE forward on int4 experts (5 of 7 local) float32: {err:.1e}"]
+
+
 def bench(device: str) -> list[str]:
     """Decode-step (1 row) and prefill (512 rows) times on the GPU against bf16 F.linear of the dequantized
     weight: what the quantized layers save in bytes and what they cost or gain in time."""
@@ -262,6 +306,40 @@ def test_experts_fall_back_to_torch_on_cpu(no_interpreter):
     assert got is out and relative_error(got, want) < 1e-6
 
 
+def test_moe_serves_from_quantized_experts_outside_its_state_dict(no_interpreter):
+    """The hook's path on CPU (the torch fallback): MoE.fused set by use_quantized_experts, its dense
+    experts freed, its bytes reported, and the experts' buffers outside the state dict (a strict load
+    by name, as LlamaModel.load_hf_state_dict does, is unchanged)."""
+    moe, weights = quantized_moe()
+    assert moe.gate_up.numel() == moe.down.numel() == 0
+    assert moe.expert_bytes() == moe.fused.nbytes == 5 * (128 * 96 // 2 + 128 * 3 * 2 + 96 * 64 // 2 + 96 * 2 * 2)
+    assert not any("fused" in k for k in moe.state_dict())
+    moe.load_state_dict(moe.state_dict(), strict=True)
+    x = torch.randn(9, 96)
+    with torch.no_grad():
+        got = moe(x)
+    assert relative_error(got, moe_reference(moe, weights, x)) < 1e-6
+    with pytest.raises(ValueError, match="quantized experts"):
+        from ember.kernels.triton_quant_linear import use_quantized_experts
+        use_quantized_experts(quantized_moe(local=(0, 7))[0], moe.fused)
+
+
+def test_the_loader_takes_a_blocks_quantized_experts_by_their_checkpoint_names():
+    from ember.kernels.triton_quant_linear import BlockFP8Experts, Int4GroupExperts, take_quantized_experts
+    prefix = "language_model.model.layers.3.mlp."
+    names = lambda e: [f"{prefix}experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")]  # noqa: E731
+    int4 = {n: int4_weight(64 if "down" not in n else 96, 96 if "down" not in n else 64, 32, seed=i)
+            for e in range(4) for i, n in enumerate(names(e))}
+    int4["other"] = torch.zeros(1)
+    experts = take_quantized_experts(int4, prefix, 1, 3)
+    assert isinstance(experts, Int4GroupExperts) and experts.num_experts == 2
+    assert sorted(int4) == sorted(names(0) + names(3) + ["other"])  # the other ranks' experts stay
+    fp8 = {n: fp8_weight(128 if "down" not in n else 96, 96 if "down" not in n else 128) for n in names(0)}
+    assert isinstance(take_quantized_experts(fp8, prefix, 0, 1), BlockFP8Experts) and not fp8
+    dense = {n: torch.zeros(2, 2) for n in names(0)}
+    assert take_quantized_experts(dense, prefix, 0, 1) is None and len(dense) == 3
+
+
 def test_quantized_layers_refuse_what_they_cannot_serve():
     from ember.kernels.triton_quant_linear import BlockFP8Linear, Int4GroupLinear
     weight = int4_weight(8, 64, 32)
@@ -282,7 +360,7 @@ def test_quantized_layers_refuse_what_they_cannot_serve():
 if __name__ == "__main__":
     where = sys.argv[1] if len(sys.argv) > 1 else "cpu"
     torch.manual_seed(0)
-    report = check_kernels(where) + check_experts(where)
+    report = check_kernels(where) + check_experts(where) + check_moe(where)
     if "--bench" in sys.argv:
         report += bench(where)
     print("\n".join(report))

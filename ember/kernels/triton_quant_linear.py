@@ -218,8 +218,8 @@ class Int4GroupLinear(nn.Module):
                              f"[{self.out_features}, {self.in_features // max(group, 1)}] scales of an even "
                              f"group {group}")
         self.group = group
-        self.register_buffer("packed", pack_int4(codes))
-        self.register_buffer("scale", scale.t().contiguous())
+        self.register_buffer("packed", pack_int4(codes), persistent=False)
+        self.register_buffer("scale", scale.t().contiguous(), persistent=False)
 
     @classmethod
     def from_packed(cls, weight) -> Int4GroupLinear:
@@ -235,8 +235,8 @@ class Int4GroupLinear(nn.Module):
         nn.Module.__init__(fused)
         fused.in_features, fused.group = layers[0].in_features, layers[0].group
         fused.out_features = sum(layer.out_features for layer in layers)
-        fused.register_buffer("packed", torch.cat([layer.packed for layer in layers], dim=1))
-        fused.register_buffer("scale", torch.cat([layer.scale for layer in layers], dim=1))
+        fused.register_buffer("packed", torch.cat([layer.packed for layer in layers], dim=1), persistent=False)
+        fused.register_buffer("scale", torch.cat([layer.scale for layer in layers], dim=1), persistent=False)
         return fused
 
     @property
@@ -362,8 +362,8 @@ class BlockFP8Linear(nn.Module):
         if tuple(scale_inv.shape) != expected:
             raise ValueError(f"fp8 weight {tuple(weight.shape)} in {block} blocks needs scale_inv {expected}, "
                              f"got {tuple(scale_inv.shape)}")
-        self.register_buffer("weight", weight.contiguous())
-        self.register_buffer("scale_inv", scale_inv.float().contiguous())
+        self.register_buffer("weight", weight.contiguous(), persistent=False)
+        self.register_buffer("scale_inv", scale_inv.float().contiguous(), persistent=False)
 
     @classmethod
     def concat(cls, layers: list[BlockFP8Linear]) -> BlockFP8Linear:
@@ -395,6 +395,39 @@ class BlockFP8Linear(nn.Module):
 
 
 # -- a MoE layer's routed experts, one grouped launch per matmul ------------------------------------------
+def take_quantized_experts(tensors: dict, prefix: str, first: int, last: int,
+                           block: tuple[int, int] = FP8_BLOCK) -> _GroupedExperts | None:
+    """A MoE block's routed experts [first, last) popped from a checkpoint's tensors
+    (`{prefix}experts.{e}.{gate,up,down}_proj.weight`) where the reader kept them quantized, grouped for
+    the GPU: ember.model.checkpoint.PackedInt4 (Checkpoint.read_all(keep_int4=...)) gives
+    Int4GroupExperts; fp8 ones, each a (weight, scale_inv) pair or anything with those two attributes,
+    BlockFP8Experts. None (and `tensors` untouched) where they are dense tensors."""
+    names = [[f"{prefix}experts.{e}.{part}_proj.weight" for part in ("gate", "up", "down")] for e in range(first, last)]
+    sample = tensors.get(names[0][0])
+    if sample is None or isinstance(sample, torch.Tensor):
+        return None
+    parts = [[tensors.pop(name) for name in expert] for expert in names]
+    if hasattr(sample, "codes"):
+        return Int4GroupExperts(parts)
+    return BlockFP8Experts([[tuple(p) if isinstance(p, (tuple, list)) else (p.weight, p.scale_inv) for p in expert]
+                            for expert in parts], block)
+
+
+def use_quantized_experts(moe, experts: _GroupedExperts) -> None:
+    """Serve `moe`'s (ember.model.moe.MoE) routed experts from `experts` (one per local expert, its
+    experts [first, last)); its dense expert copies are freed (ember.kernels.cpu_moe.use_int4_experts'
+    GPU twin). The experts' tensors are buffers outside the state dict (the loader builds them from
+    the checkpoint): a model load with strict names is unchanged, `.to(device)` moves them."""
+    if experts.num_experts != moe.last - moe.first or experts.hidden != moe.down.shape[1] or \
+            experts.intermediate != moe.intermediate_size:
+        raise ValueError(f"{experts.num_experts} quantized experts of {experts.hidden} x {experts.intermediate} for "
+                         f"a MoE holding {moe.last - moe.first} of {moe.down.shape[1]} x {moe.intermediate_size}")
+    moe.fused = experts
+    moe.packed = None
+    moe.gate_up = nn.Parameter(moe.gate_up.new_empty(0, *moe.gate_up.shape[1:]), requires_grad=False)
+    moe.down = nn.Parameter(moe.down.new_empty(0, *moe.down.shape[1:]), requires_grad=False)
+
+
 class _GroupedExperts(nn.Module):
     """ember.model.moe.MoE's `fused` experts on the GPU: `self(rows, counts, first, out)` computes
     out[r] = down(silu(gate(rows[r])) * up(rows[r])) with rows[r]'s expert's weights, for the rows of
@@ -444,10 +477,10 @@ class Int4GroupExperts(_GroupedExperts):
         down = [dn for _, _, dn in layers]
         self.num_experts, self.group = len(layers), down[0].group
         self.hidden, self.intermediate = down[0].out_features, down[0].in_features
-        self.register_buffer("gate_up_packed", torch.stack([m.packed for m in gate_up]))
-        self.register_buffer("gate_up_scale", torch.stack([m.scale for m in gate_up]))
-        self.register_buffer("down_packed", torch.stack([m.packed for m in down]))
-        self.register_buffer("down_scale", torch.stack([m.scale for m in down]))
+        self.register_buffer("gate_up_packed", torch.stack([m.packed for m in gate_up]), persistent=False)
+        self.register_buffer("gate_up_scale", torch.stack([m.scale for m in gate_up]), persistent=False)
+        self.register_buffer("down_packed", torch.stack([m.packed for m in down]), persistent=False)
+        self.register_buffer("down_scale", torch.stack([m.scale for m in down]), persistent=False)
 
     def _matmul(self, which: str, x: torch.Tensor, tiles: Tiles, out: torch.Tensor) -> torch.Tensor:
         return int4_group_matmul(x, getattr(self, which + "_packed"), getattr(self, which + "_scale"), self.group,
@@ -481,10 +514,10 @@ class BlockFP8Experts(_GroupedExperts):
         down = [dn for _, _, dn in layers]
         self.num_experts, self.block = len(layers), down[0].block
         self.hidden, self.intermediate = down[0].out_features, down[0].in_features
-        self.register_buffer("gate_up_weight", torch.stack([m.weight for m in gate_up]))
-        self.register_buffer("gate_up_scale_inv", torch.stack([m.scale_inv for m in gate_up]))
-        self.register_buffer("down_weight", torch.stack([m.weight for m in down]))
-        self.register_buffer("down_scale_inv", torch.stack([m.scale_inv for m in down]))
+        self.register_buffer("gate_up_weight", torch.stack([m.weight for m in gate_up]), persistent=False)
+        self.register_buffer("gate_up_scale_inv", torch.stack([m.scale_inv for m in gate_up]), persistent=False)
+        self.register_buffer("down_weight", torch.stack([m.weight for m in down]), persistent=False)
+        self.register_buffer("down_scale_inv", torch.stack([m.scale_inv for m in down]), persistent=False)
 
     def _matmul(self, which: str, x: torch.Tensor, tiles: Tiles, out: torch.Tensor) -> torch.Tensor:
         return fp8_block_matmul(x, getattr(self, which + "_weight"), getattr(self, which + "_scale_inv"),
