@@ -28,6 +28,7 @@ from ember.engine.scheduler import ScheduledBatch, Scheduler
 from ember.engine.sequence import NO_TENANT, Sequence, Tenant
 from ember.engine.speculation import NgramIndex, accepted_prefix
 from ember.engine.step_policy import SLO
+from ember.engine.workspace import engine_workspace
 from ember.errors import NotFoundError
 from ember.kernels import optimize
 from ember.kv import wire
@@ -97,8 +98,10 @@ class LLMEngine:
         if not parallel:  # on the device before the pool is sized from what is left there
             self.loaded.model.to(torch.device(config.device))  # (its weights were read into host memory)
         num_blocks = config.num_kv_blocks
-        if not num_blocks:  # what is left of the engine's memory budget, its weights counted whole
+        if not num_blocks:  # what is left of the engine's memory budget, its weights counted whole and the
+            # step's workspace at its limits too (ember.engine.workspace: the figure `ember plan memory` prints)
             pending = 0 if parallel or config.kv_cache_mb else weights_not_resident(self.loaded.model)
+            pending += engine_workspace(args, config, self.max_model_len).peak_bytes
             num_blocks = config.pool_bytes(pending) // self.layout.block_bytes
         if config.expert_parallel > 1 and config.device == "cpu" and not config.num_kv_blocks:
             # every expert-parallel rank holds the whole cache: on one host's memory the pool is split

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import yaml
@@ -145,8 +146,10 @@ def cmd_plan(args) -> int:
 
 
 def cmd_plan_memory(args) -> int:
-    """`ember plan memory`: per weight dtype, every TP/PP/EP layout's weights and KV per rank and
-    the context that fits beside them (ember.placement.memory_plan), then a verdict."""
+    """`ember plan memory`: per weight dtype, every TP/PP/EP layout's weights, workspace and KV per rank
+    and the context that fits beside them (ember.placement.memory_plan), the best layout's arithmetic
+    term by term, then a verdict."""
+    from ember.engine import workspace as ws
     from ember.placement import memory_plan as mp
     missing = [flag for flag, value in (("--model-config", args.model_config), ("--hardware", args.hardware))
                if value is None]
@@ -159,15 +162,21 @@ def cmd_plan_memory(args) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if not 0 < args.memory_fraction <= 1 or args.reserve_gib < 0:
-        print("error: --memory-fraction must be in (0, 1] and --reserve-gib >= 0", file=sys.stderr)
+    if not 0 < args.memory_fraction <= 1 or (args.reserve_gib is not None and args.reserve_gib < 0) \
+            or min(args.max_batched_tokens, args.max_seqs, args.sequences) < 1:
+        print("error: --memory-fraction must be in (0, 1], --reserve-gib >= 0, --max-batched-tokens, --max-seqs "
+              "and --sequences >= 1", file=sys.stderr)
         return 2
-    budget = mp.Budget(args.memory_fraction, args.reserve_gib * mp.GIB, args.kv_dtype)
+    limits = ws.StepLimits(args.max_batched_tokens, args.max_seqs, cuda_graph_sizes=(1, 2, 4, 8, 16, 32, 64))
+    budget = mp.Budget(args.memory_fraction, None if args.reserve_gib is None else args.reserve_gib * mp.GIB,
+                       args.kv_dtype, limits=limits, sequences=args.sequences)
     dtypes = list(mp.WEIGHT_DTYPES) if args.dtype == "all" else [args.dtype]
     print("\n".join(_memory_header(shape, hardware, budget, args.model_config)))
     report = {"model_config": str(args.model_config), "model_type": shape.model_type, "hardware": str(hardware),
-              "gpu_memory_gb": hardware.memory_gb, "memory_fraction": budget.memory_fraction,
+              "gpu_memory_mib": hardware.memory_mib, "memory_fraction": budget.memory_fraction,
               "reserve_bytes": budget.reserve_bytes, "kv_dtype": budget.kv_dtype,
+              "runtime_terms": [{"name": t.name, "bytes": t.nbytes} for t in budget.runtime(hardware)],
+              "max_num_batched_tokens": limits.max_num_batched_tokens, "max_num_seqs": limits.max_num_seqs,
               "min_context_tokens": budget.min_context_tokens, "parameters": shape.parameter_counts(),
               "total_parameters": shape.total_parameters, "active_parameters": shape.active_parameters,
               "kv_bytes_per_token": shape.kv_bytes_per_token(budget.kv_dtype), "dtypes": []}
@@ -175,7 +184,7 @@ def cmd_plan_memory(args) -> int:
         plans = mp.plan_memory(shape, hardware, dtype, budget)
         smallest = mp.smallest_fit(shape, hardware.gpu, dtype, budget)
         print()
-        print("\n".join(_memory_table(shape, hardware, dtype, plans, smallest)))
+        print("\n".join(_memory_table(shape, hardware, dtype, plans, smallest, budget)))
         report["dtypes"].append({"dtype": dtype, "note": mp.WEIGHT_DTYPES[dtype].note,
                                  "layouts": [p.as_dict() for p in plans],
                                  "smallest_fit": None if smallest is None else
@@ -186,6 +195,10 @@ def cmd_plan_memory(args) -> int:
     return 0
 
 
+def _gib(n: float) -> str:
+    return f"{n / 2 ** 30:,.2f} GiB"
+
+
 def _memory_header(shape, hardware, budget, source) -> list[str]:
     from ember.placement.memory_plan import KV_DTYPE_BYTES
     parts = ", ".join(f"{name.replace('_', ' ')} " + (f"{n / 1e9:.2f} B" if n >= 1e7 else f"{n / 1e6:.2f} M")
@@ -194,40 +207,76 @@ def _memory_header(shape, hardware, budget, source) -> list[str]:
     kv_kind = ("one MLA latent plane, whole on every TP rank" if shape.attention == "MLA"
                else f"K and V of {shape.num_kv_heads} KV heads, split by TP up to {shape.num_kv_heads}")
     usable = budget.usable_bytes(hardware)
-    return [f"{Path(source).name}: {shape.model_type} ({shape.attention}), {len(shape.layers)} layers, "
-            f"{shape.total_parameters / 1e9:,.1f} B parameters ({shape.active_parameters / 1e9:.1f} B active); "
-            f"vision towers not counted",
-            f"  {parts}",
-            f"KV per token ({budget.kv_dtype}): {kv_values} values x {len(shape.layers)} layers x "
-            f"{KV_DTYPE_BYTES[budget.kv_dtype]} B = {shape.kv_bytes_per_token(budget.kv_dtype):,} B ({kv_kind})",
-            f"{hardware}: {hardware.count} x {hardware.memory_gb:g} GB; usable {budget.memory_fraction:.2f} x "
-            f"{hardware.memory_gb:g} = {usable / 1e9:.1f} GB a GPU, less {budget.reserve_bytes / 2 ** 30:g} GiB for "
-            f"activations and workspace; a layout fits when >= {budget.min_context_tokens:,} context tokens do"]
+    fraction = "" if budget.memory_fraction == 1 else f" x {budget.memory_fraction:.2f} (--memory-fraction)"
+    lines = [f"{Path(source).name}: {shape.model_type} ({shape.attention}), {len(shape.layers)} layers, "
+             f"{shape.total_parameters / 1e9:,.1f} B parameters ({shape.active_parameters / 1e9:.1f} B active); "
+             f"vision towers not counted",
+             f"  {parts}",
+             f"KV per token ({budget.kv_dtype}): {kv_values} values x {len(shape.layers)} layers x "
+             f"{KV_DTYPE_BYTES[budget.kv_dtype]} B = {shape.kv_bytes_per_token(budget.kv_dtype):,} B ({kv_kind})",
+             f"{hardware}: {hardware.count} x {hardware.memory_mib:,} MiB as CUDA reports it{fraction} = "
+             f"{_gib(usable)} a GPU"]
+    runtime = budget.runtime(hardware)
+    if runtime:
+        lines.append("  runtime a GPU: " + " + ".join(f"{t.name} {_gib(t.nbytes)}" for t in runtime)
+                     + f" = {_gib(sum(t.nbytes for t in runtime))}")
+        lines.append(f"  workspace: the step at max_num_batched_tokens {budget.limits.max_num_batched_tokens:,}, "
+                     f"max_num_seqs {budget.limits.max_num_seqs} (bf16 activations, paged attention kernels), "
+                     f"per layout below; a layout fits when >= {budget.min_context_tokens:,} context tokens do")
+    else:
+        lines.append(f"  less a flat {budget.reserve_bytes / 2 ** 30:g} GiB reserve (--reserve-gib) for runtime and "
+                     f"workspace; a layout fits when >= {budget.min_context_tokens:,} context tokens do")
+    return lines
 
 
-def _memory_table(shape, hardware, dtype, plans, smallest) -> list[str]:
+def _memory_table(shape, hardware, dtype, plans, smallest, budget) -> list[str]:
+    from ember.engine import workspace as ws
     from ember.placement import memory_plan as mp
     chunked = shape.chunk_size is not None
-    head = ("layout", "weights/rank GB", "KV B/token/rank", "context tokens") + (("one sequence",) if chunked else ())
+    head = ("layout", "weights/rank GB", "workspace GiB", "KV GiB/rank", "KV GiB node", "KV B/token/rank",
+            "context tokens") + ((f"hybrid, {budget.sequences} seqs",) if chunked else ())
     rows = [head]
     for p in plans:
         tokens = f"{p.context_tokens:,}" if p.fits else f"- ({p.reason})"
-        extra = (f"{p.one_sequence_tokens:,}" if p.one_sequence_tokens is not None else "-",) if chunked else ()
-        rows.append((str(p.layout), f"{p.weight_bytes / 1e9:.1f}", f"{p.kv_bytes_per_token:,}", tokens) + extra)
+        extra = (f"{p.hybrid_tokens:,}" if p.hybrid_tokens is not None else "-",) if chunked else ()
+        rows.append((str(p.layout), f"{p.weight_bytes / 1e9:.1f}", f"{p.workspace_bytes / 2 ** 30:.2f}",
+                     f"{p.kv_pool_bytes / 2 ** 30:.2f}", f"{p.kv_node_bytes / 2 ** 30:.1f}",
+                     f"{p.kv_bytes_per_token:,}", tokens) + extra)
     total = mp.total_weight_bytes(shape, dtype)
     lines = [f"== {dtype}: {mp.WEIGHT_DTYPES[dtype].note}; {total / 1e9:,.1f} GB of weights in all"] + _table(rows)
     fitting = [p for p in plans if p.fits]
     top = mp.best(plans)
     lines.append(f"verdict: fits {hardware} in {len(fitting)} of {len(plans)} layouts; most context {top.layout} "
-                 f"({top.context_tokens:,} tokens)" if top else f"verdict: no layout fits {hardware}")
+                 f"({top.context_tokens:,} tokens, {top.kv_node_bytes / 2 ** 30:.1f} GiB of KV over the node)"
+                 if top else f"verdict: no layout fits {hardware}")
     budgeted = (f"{smallest[0]} ({smallest[1].layout}, {smallest[1].context_tokens:,} context tokens)" if smallest
                 else f"more than {mp.GPU_COUNTS_SEARCHED[-1]}")
     lines.append(f"  fewest {hardware.gpu}: the weights alone need {mp.gpus_for_weights(shape, hardware.gpu, dtype)} "
                  f"({total / 1e9:,.1f} GB); within the budget above, {budgeted}")
-    if chunked:
+    shown = top or min(plans, key=lambda p: p.weight_bytes + p.workspace_bytes)
+    lines.append(f"  {shown.layout}, the tightest rank: {_gib(shown.capacity_bytes)} - runtime "
+                 f"{_gib(shown.runtime_bytes)} - weights {_gib(shown.weight_bytes)} - workspace "
+                 f"{_gib(shown.workspace_bytes)} = KV pool "
+                 f"{_gib(shown.kv_pool_bytes)}; / {shown.kv_bytes_per_token:,} B a token = {shown.context_tokens:,} "
+                 f"context tokens")
+    if shown.workspace is not None:
+        lines.append("  workspace of that rank's step:")
+        lines += ["  " + line for line in ws.describe(shown.workspace)]
+    if chunked and shown.hybrid_tokens is not None:
         local = sum(layer.chunked for layer in shape.layers)
-        lines.append(f"  one sequence: the longest single context when the {local} chunked-attention layers keep only "
-                     f"its last {shape.chunk_size:,} tokens (a hybrid allocator, as vLLM's)")
+        per_layer = shown.kv_bytes_per_token // len(shape.layers) if shown.layout.pp == 1 else None
+        lines.append(f"  hybrid KV: the {local} chunked-attention layers keep, per running sequence, its current "
+                     f"{shape.chunk_size:,}-token chunk (+ one step's {budget.limits.max_num_batched_tokens:,} tokens "
+                     f"crossing into the next): {_gib(shown.chunk_window_bytes)} for {budget.sequences} sequences; the "
+                     f"{len(shape.layers) - local} full layers hold the context: ({_gib(shown.kv_pool_bytes)} - "
+                     f"{_gib(shown.chunk_window_bytes)}) / {(len(shape.layers) - local) * per_layer:,} B a token = "
+                     f"{shown.hybrid_tokens:,} context tokens" if per_layer else
+                     f"  hybrid KV: {shown.hybrid_tokens:,} context tokens over {budget.sequences} sequences")
+        counts = [1, 8, 32, 64]
+        others = [(n, mp.plan_layout(shape, hardware, shown.layout, dtype, replace(budget, sequences=n)).hybrid_tokens)
+                  for n in counts]
+        lines.append("  hybrid context tokens by concurrent sequences: "
+                     + ", ".join(f"{n}: {t:,}" for n, t in others if t is not None))
     return lines
 
 
@@ -268,9 +317,15 @@ def add_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--hardware", help="memory: <GPU>x<count>, e.g. H100x8, H200x2 (GPU: H100, H200, A100, L40S, B200)")
     p.add_argument("--dtype", default="all", choices=["bf16", "fp8", "int4", "all"], help="memory: weight dtype")
     p.add_argument("--kv-dtype", default="bf16", choices=["bf16", "fp8"], help="memory: KV cache dtype")
-    p.add_argument("--memory-fraction", type=float, default=0.90, help="memory: share of each GPU's memory to use")
-    p.add_argument("--reserve-gib", type=float, default=4.0,
-                   help="memory: GiB a GPU keeps for activations, workspace, CUDA graphs and communication buffers")
+    p.add_argument("--memory-fraction", type=float, default=1.0,
+                   help="memory: share of each GPU's memory (as CUDA reports it) to use")
+    p.add_argument("--reserve-gib", type=float, default=None,
+                   help="memory: a flat GiB reserve a GPU keeps in place of the runtime and workspace model")
+    p.add_argument("--max-batched-tokens", type=int, default=1024,
+                   help="memory: the engine's max_num_batched_tokens (the step the workspace is sized for)")
+    p.add_argument("--max-seqs", type=int, default=64, help="memory: the engine's max_num_seqs (logits rows)")
+    p.add_argument("--sequences", type=int, default=8,
+                   help="memory: concurrent sequences the hybrid-KV context (chunked attention) is stated for")
     p.add_argument("--json", help="memory: write the plan as JSON")
     p.add_argument("--slo-ttft", type=float, default=1.0, help="TTFT target, seconds")
     p.add_argument("--slo-tpot", type=float, default=0.05, help="TPOT target, seconds")

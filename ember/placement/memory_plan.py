@@ -15,25 +15,36 @@ The KV cache. MLA caches one latent plane, kv_lora_rank + qk_rope_head_dim value
 layer, whole on every TP rank (the latent is not split by heads). GQA caches K and V, 2 x KV heads
 x head_dim, split TP ways up to the KV heads and replicated beyond. A stage caches its own layers.
 
-What fits. usable = GPU memory x memory_fraction; free = usable - weights - reserve (activations,
-workspace, CUDA graphs, communication buffers); context tokens = free / KV bytes per token, on the
-rank where that is least. A context token is one slot of the KV pool that all running sequences
-share, held by every layer. A layout fits when at least `min_context_tokens` fit.
+What fits, per GPU of a stage: capacity (what CUDA reports the GPU holds, ember.engine.workspace's
+GPU_MEMORY_MIB) - runtime (CUDA context, communicators, allocator slack: stated, ember.engine.workspace)
+- weights - workspace (the step's memory at the engine's limits, ember.engine.workspace.step_workspace:
+the same code the engine sizes its KV pool with) = the KV pool. Context tokens = KV pool / KV bytes per
+token, on the rank where that is least. A context token is one slot of the KV pool that all running
+sequences share, held by every layer. A layout fits when at least `min_context_tokens` fit.
+
+Hybrid KV (Llama 4's chunked local attention, a hybrid allocator as vLLM's): a chunked layer holds per
+running sequence only its current chunk (chunk_size rounded up to blocks) plus, once per step, the
+blocks of a prefill chunk crossing into the next attention chunk (max_num_batched_tokens rounded up);
+the full-attention layers hold every context token. So for `sequences` concurrent sequences, the
+context tokens = (KV pool - chunked layers' windows) / the full layers' bytes per token.
 """
 from __future__ import annotations
 
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ember.engine import workspace as ws
+
 GIB = 1 << 30
-GPU_MEMORY_GB = {"H100": 80, "H200": 141, "A100": 80, "L40S": 48, "B200": 180}  # decimal GB, as vendors state
+MIB = 1 << 20
+GPU_MEMORY_MIB = ws.GPU_MEMORY_MIB
 KV_DTYPE_BYTES = {"bf16": 2, "fp8": 1}
-DEFAULT_MEMORY_FRACTION = 0.90
-DEFAULT_RESERVE_BYTES = 4 * GIB
 DEFAULT_MIN_CONTEXT_TOKENS = 4096
+DEFAULT_SEQUENCES = 8  # concurrent sequences the hybrid-KV figure is stated for
+BLOCK_SIZE = 16  # the engine's default KV block (engine.block_size)
 GPU_COUNTS_SEARCHED = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -95,6 +106,7 @@ class ModelShape:
     num_experts: int
     experts_per_token: int
     chunk_size: int | None = None  # chunked local attention's window (Llama 4)
+    step: ws.StepShape | None = None  # what shapes a step's tensors (the workspace)
 
     @property
     def embedding(self) -> int:
@@ -211,8 +223,12 @@ def _mla_shape(f: _Fields, model_type: str, tied: bool) -> ModelShape:
                       routed_experts=experts * 3 * hidden * expert_width,
                       router=experts * hidden + experts)  # gate weight and its e_score_correction_bias
     layers = tuple(moe if i >= first_dense and i % every == 0 else dense for i in range(num_layers))
-    return ModelShape(model_type, "MLA", f.count("vocab_size"), hidden, heads, 1, kv_lora + rope, 1, tied, layers,
-                      dense_width, shared_width, expert_width, experts, top_k)
+    vocab = f.count("vocab_size")
+    step = ws.StepShape(hidden, vocab, heads, 1, nope + rope, dense_width if first_dense else 0, experts, top_k,
+                        expert_width, shared_width, ws.LatentShape(q_lora or 0, kv_lora, nope, rope, v_dim),
+                        router_fp32=True)
+    return ModelShape(model_type, "MLA", vocab, hidden, heads, 1, kv_lora + rope, 1, tied, layers,
+                      dense_width, shared_width, expert_width, experts, top_k, step=step)
 
 
 def _gqa_attention(f: _Fields, qk_norm: bool) -> tuple[int, int, int, int, dict]:
@@ -242,8 +258,11 @@ def _llama_qwen_shape(f: _Fields, model_type: str, tied: bool) -> ModelShape:
     moe = LayerParams(**attention, dense_mlp=0, shared_experts=0, routed_experts=experts * 3 * hidden * expert_width,
                       router=experts * hidden)
     layers = tuple(moe if i in moe_layers else dense for i in range(num_layers))
-    return ModelShape(model_type, "GQA", f.count("vocab_size"), hidden, heads, kv_heads, head_dim, 2, tied, layers,
-                      dense_width, 0, expert_width, experts, top_k)
+    vocab = f.count("vocab_size")
+    step = ws.StepShape(hidden, vocab, heads, kv_heads, head_dim, dense_width if len(moe_layers) < num_layers else 0,
+                        experts, top_k, expert_width, qk_norm=model_type.startswith("qwen3"))
+    return ModelShape(model_type, "GQA", vocab, hidden, heads, kv_heads, head_dim, 2, tied, layers,
+                      dense_width, 0, expert_width, experts, top_k, step=step)
 
 
 def _llama4_shape(f: _Fields, model_type: str, tied: bool) -> ModelShape:
@@ -271,8 +290,12 @@ def _llama4_shape(f: _Fields, model_type: str, tied: bool) -> ModelShape:
                                router=experts * hidden if i in moe_layers else 0,
                                chunked=chunk is not None and bool(uses_rope[i]))
                    for i in range(num_layers))
-    return ModelShape(model_type, "GQA", f.count("vocab_size"), hidden, heads, kv_heads, head_dim, 2, tied, layers,
-                      dense_width, expert_width, expert_width, experts, top_k, chunk)
+    vocab = f.count("vocab_size")
+    step_shape = ws.StepShape(hidden, vocab, heads, kv_heads, head_dim,
+                              dense_width if len(moe_layers) < num_layers else 0, experts, top_k, expert_width,
+                              expert_width, rope="interleaved", experts_scale_input=True)
+    return ModelShape(model_type, "GQA", vocab, hidden, heads, kv_heads, head_dim, 2, tied, layers,
+                      dense_width, expert_width, expert_width, experts, top_k, chunk, step_shape)
 
 
 FAMILIES = {"deepseek_v3": _mla_shape, "kimi_k2": _mla_shape, "kimi_k25": _mla_shape,
@@ -289,23 +312,23 @@ class Hardware:
     """`count` GPUs of one kind."""
     gpu: str
     count: int
-    memory_gb: float  # each GPU's, decimal GB
+    memory_mib: int  # each GPU's, as CUDA reports it (ember.engine.workspace.GPU_MEMORY_MIB)
 
     @property
-    def memory_bytes(self) -> float:
-        return self.memory_gb * 1e9
+    def memory_bytes(self) -> int:
+        return self.memory_mib * MIB
 
     def __str__(self) -> str:
         return f"{self.gpu}x{self.count}"
 
 
 def parse_hardware(text: str) -> Hardware:
-    """`<GPU>x<N>` (H100x8, h200x2) with GPU one of GPU_MEMORY_GB."""
+    """`<GPU>x<N>` (H100x8, h200x2) with GPU one of GPU_MEMORY_MIB."""
     match = re.fullmatch(r"(\w+?)[xX](\d+)", text.strip())
     gpu = match.group(1).upper() if match else None
-    if gpu not in GPU_MEMORY_GB or int(match.group(2)) < 1:
-        raise ValueError(f"hardware {text!r} is not <GPU>x<count> with GPU one of {', '.join(GPU_MEMORY_GB)}")
-    return Hardware(gpu, int(match.group(2)), GPU_MEMORY_GB[gpu])
+    if gpu not in GPU_MEMORY_MIB or int(match.group(2)) < 1:
+        raise ValueError(f"hardware {text!r} is not <GPU>x<count> with GPU one of {', '.join(GPU_MEMORY_MIB)}")
+    return Hardware(gpu, int(match.group(2)), GPU_MEMORY_MIB[gpu])
 
 
 @dataclass(frozen=True)
@@ -369,7 +392,7 @@ def total_weight_bytes(shape: ModelShape, dtype: str) -> float:
 
 def gpus_for_weights(shape: ModelShape, gpu: str, dtype: str) -> int:
     """The fewest GPUs whose whole memory holds the weights alone: a floor no layout beats."""
-    return math.ceil(total_weight_bytes(shape, dtype) / (GPU_MEMORY_GB[gpu] * 1e9))
+    return math.ceil(total_weight_bytes(shape, dtype) / (GPU_MEMORY_MIB[gpu] * MIB))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -378,76 +401,114 @@ def gpus_for_weights(shape: ModelShape, gpu: str, dtype: str) -> int:
 
 @dataclass(frozen=True)
 class LayoutPlan:
-    """One layout at one weight dtype: what the fullest rank holds and how much context fits."""
+    """One layout at one weight dtype: what its tightest rank holds and how much context fits."""
     layout: Layout
     dtype: str
     weight_bytes: float  # on the fullest rank
     kv_bytes_per_token: int  # on the rank caching the most per token
-    context_tokens: int  # KV-pool tokens that fit beside the weights (0: none)
+    context_tokens: int  # KV-pool tokens that fit, every layer holding each (0: none)
     reason: str | None  # why it does not fit; None when it does
-    one_sequence_tokens: int | None = None  # chunked attention: the longest single sequence that fits
+    hybrid_tokens: int | None = None  # chunked attention: context tokens over `sequences` sequences (hybrid KV)
+    sequences: int = DEFAULT_SEQUENCES
+    capacity_bytes: int = 0  # one GPU's
+    runtime_bytes: int = 0  # one GPU's (CUDA context, communicators, allocator slack)
+    workspace: ws.Workspace | None = None  # of the tightest rank's step
+    kv_pool_bytes: float = 0  # on the tightest rank
+    kv_node_bytes: float = 0  # every rank's KV pool, summed
+    chunk_window_bytes: float = 0  # hybrid: the chunked layers' windows on the tightest rank
 
     @property
     def fits(self) -> bool:
         return self.reason is None
 
+    @property
+    def workspace_bytes(self) -> int:
+        return self.workspace.peak_bytes if self.workspace else 0
+
     def as_dict(self) -> dict:
         return {"tp": self.layout.tp, "pp": self.layout.pp, "ep": self.layout.ep, "dtype": self.dtype,
-                "weight_bytes_per_rank": round(self.weight_bytes),
+                "weight_bytes_per_rank": round(self.weight_bytes), "capacity_bytes_per_gpu": self.capacity_bytes,
+                "runtime_bytes_per_gpu": self.runtime_bytes, "workspace_bytes_per_rank": self.workspace_bytes,
+                "workspace_terms": [{"name": t.name, "phase": t.phase, "bytes": t.nbytes, "formula": t.formula}
+                                    for t in (self.workspace.terms if self.workspace else ())],
+                "kv_pool_bytes_per_rank": round(self.kv_pool_bytes), "kv_pool_bytes_node": round(self.kv_node_bytes),
                 "kv_bytes_per_token_per_rank": self.kv_bytes_per_token,
-                "context_tokens": self.context_tokens, "one_sequence_tokens": self.one_sequence_tokens,
+                "context_tokens": self.context_tokens, "hybrid_tokens": self.hybrid_tokens,
+                "hybrid_sequences": self.sequences if self.hybrid_tokens is not None else None,
                 "fits": self.fits, "reason": self.reason}
 
 
 @dataclass(frozen=True)
 class Budget:
-    """How much of each GPU a plan may use, and what it must leave."""
-    memory_fraction: float = DEFAULT_MEMORY_FRACTION
-    reserve_bytes: float = DEFAULT_RESERVE_BYTES  # activations, workspace, CUDA graphs, NCCL buffers
+    """How much of each GPU a plan may use, what it must leave, and the engine limits its step has."""
+    memory_fraction: float = 1.0  # of what CUDA reports (the engine's memory_utilization; 1: all of it)
+    reserve_bytes: float | None = None  # a flat reserve in place of runtime + workspace (None: the model)
     kv_dtype: str = "bf16"
     min_context_tokens: int = DEFAULT_MIN_CONTEXT_TOKENS
+    limits: ws.StepLimits = field(default_factory=lambda: ws.StepLimits(cuda_graph_sizes=(1, 2, 4, 8, 16, 32, 64)))
+    sequences: int = DEFAULT_SEQUENCES  # concurrent sequences for the hybrid-KV figure
+    block_size: int = BLOCK_SIZE
 
     def usable_bytes(self, hardware: Hardware) -> float:
         return hardware.memory_bytes * self.memory_fraction
 
+    def runtime(self, hardware: Hardware) -> tuple[ws.Term, ...]:
+        return () if self.reserve_bytes is not None else ws.gpu_runtime(hardware.count)
+
+    def stage_workspace(self, shape: ModelShape, layout: Layout, stage: range) -> ws.Workspace:
+        """The step's workspace on a rank of `stage` (a flat reserve, when one is set, stands in for it)."""
+        if self.reserve_bytes is not None:
+            return ws.Workspace((ws.Term("reserve", int(self.reserve_bytes), f"{self.reserve_bytes / GIB:g} GiB flat",
+                                         "beside"),))
+        limits = replace(self.limits, tp=layout.tp, ep=layout.ep, first_stage=stage.start == 0,
+                         last_stage=stage.stop == len(shape.layers), activation_bytes=2)
+        return ws.step_workspace(shape.step, limits)
+
+
+def _round_up(n: int, block: int) -> int:
+    return -(-n // block) * block
+
 
 def plan_layout(shape: ModelShape, hardware: Hardware, layout: Layout, dtype: str, budget: Budget = Budget()
                 ) -> LayoutPlan:
-    """Weights, KV per token and the context that fits, on the tightest rank of `layout`."""
+    """Weights, workspace, KV per token and the context that fits, on the tightest rank of `layout`."""
     weights_dtype, kv_bytes = WEIGHT_DTYPES[dtype], KV_DTYPE_BYTES[budget.kv_dtype]
     per_layer_kv = shape.kv_values_per_token_layer(layout.tp) * kv_bytes
-    usable, layer_ranges = budget.usable_bytes(hardware), stages(len(shape.layers), layout.pp)
-    weights, tokens, one_sequence = [], [], []
+    capacity = budget.usable_bytes(hardware)
+    runtime = sum(t.nbytes for t in budget.runtime(hardware))
+    layer_ranges = stages(len(shape.layers), layout.pp)
+    window = 0 if shape.chunk_size is None else (budget.sequences * _round_up(shape.chunk_size, budget.block_size)
+                                                 + _round_up(budget.limits.max_num_batched_tokens, budget.block_size))
+    rows = []  # per stage: (weights, workspace, free, tokens, hybrid, window bytes)
     for stage in layer_ranges:
         stage_weights = _stage_bytes(shape, stage, layout, weights_dtype)
-        free = usable - stage_weights - budget.reserve_bytes
-        weights.append(stage_weights)
-        tokens.append(max(0, int(free // (per_layer_kv * len(stage)))))
-        if shape.chunk_size is not None:
-            one_sequence.append(_one_sequence_tokens(shape, stage, free, per_layer_kv))
-    fullest, context = max(weights), min(tokens)
-    if usable - fullest - budget.reserve_bytes <= 0:
-        reason = (f"weights {fullest / 1e9:.1f} GB + {budget.reserve_bytes / GIB:g} GiB reserve > "
-                  f"{usable / 1e9:.1f} GB usable on a rank")
+        workspace = budget.stage_workspace(shape, layout, stage)
+        free = capacity - runtime - stage_weights - workspace.peak_bytes
+        tokens = max(0, int(free // (per_layer_kv * len(stage))))
+        chunked = sum(shape.layers[i].chunked for i in stage)
+        windows = chunked * per_layer_kv * window
+        full = len(stage) - chunked
+        hybrid = None if shape.chunk_size is None or full == 0 else \
+            max(0, int((free - windows) // (full * per_layer_kv)))
+        rows.append((stage_weights, workspace, free, tokens, hybrid, windows))
+    tightest = min(range(len(rows)), key=lambda i: (rows[i][3], -rows[i][0]))
+    fullest = max(r[0] for r in rows)
+    weights, workspace, free, context, _, windows = rows[tightest]
+    worst_free = min(r[2] for r in rows)
+    if worst_free <= 0:
+        w, s = max(rows, key=lambda r: r[0] + r[1].peak_bytes)[:2]
+        reason = (f"weights {w / 1e9:.1f} GB + workspace {s.peak_bytes / GIB:.2f} GiB + runtime {runtime / GIB:.2f} "
+                  f"GiB > {capacity / GIB:.2f} GiB on a rank")
     elif context < budget.min_context_tokens:
         reason = f"only {context:,} context tokens fit beside the weights (< {budget.min_context_tokens:,})"
     else:
         reason = None
-    fits, bounded = reason is None, [t for t in one_sequence if t is not None]
-    return LayoutPlan(layout, dtype, fullest, per_layer_kv * max(map(len, layer_ranges)), context if fits else 0,
-                      reason, min(bounded) if fits and bounded else None)
-
-
-def _one_sequence_tokens(shape: ModelShape, stage: range, free: float, per_layer_kv: int) -> int | None:
-    """The longest single sequence a stage caches when its chunked layers keep only their last
-    chunk_size tokens (what a hybrid KV allocator such as vLLM's does); None: no full-attention layer
-    here, so memory does not bound it."""
-    chunked = sum(shape.layers[i].chunked for i in stage)
-    full = len(stage) - chunked
-    left = free - chunked * shape.chunk_size * per_layer_kv
-    if full == 0:
-        return None
-    return max(0, int(left // (full * per_layer_kv)))
+    bounded = [r[4] for r in rows if r[4] is not None]
+    hybrid = min(bounded) if bounded and reason is None else None
+    node = sum(max(0.0, r[2]) for r in rows) * layout.tp
+    return LayoutPlan(layout, dtype, fullest, per_layer_kv * max(map(len, layer_ranges)),
+                      context if reason is None else 0, reason, hybrid, budget.sequences, int(capacity), runtime,
+                      workspace, max(0.0, free), node, windows)
 
 
 def plan_memory(shape: ModelShape, hardware: Hardware, dtype: str, budget: Budget = Budget()) -> list[LayoutPlan]:
@@ -469,7 +530,7 @@ def smallest_fit(shape: ModelShape, gpu: str, dtype: str, budget: Budget = Budge
                  counts: tuple[int, ...] = GPU_COUNTS_SEARCHED) -> tuple[int, LayoutPlan] | None:
     """The fewest GPUs of kind `gpu` (among `counts`) with a layout that fits, and its best layout."""
     for count in counts:
-        found = best(plan_memory(shape, Hardware(gpu, count, GPU_MEMORY_GB[gpu]), dtype, budget))
+        found = best(plan_memory(shape, Hardware(gpu, count, GPU_MEMORY_MIB[gpu]), dtype, budget))
         if found is not None:
             return count, found
     return None
