@@ -45,8 +45,6 @@ import triton
 import triton.language as tl
 from torch import nn
 
-from ember.model.checkpoint import dequantize_fp8
-
 FP8_BLOCK = (128, 128)
 
 
@@ -346,6 +344,14 @@ def fp8_block_matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Ten
                                    BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k, DECODE_BITS=decode_bits,
                                    PRECISION=_precision(x.dtype), GROUPED=tiles is not None)
     return out
+
+
+def dequantize_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """W [N, K] in float32: each e4m3 value times its block's scale, edge blocks partial (DeepSeek-V3's
+    weight_dequant; ember.model.checkpoint's formula, which kernels do not import: the tests compare)."""
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows].repeat_interleave(block[1], 1)[:, :cols]
+    return weight.float() * scale
 
 
 class BlockFP8Linear(nn.Module):
