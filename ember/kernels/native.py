@@ -1,6 +1,7 @@
 """The C++ kernels (csrc/: paged attention and RMSNorm in attention.cpp, int4 linear layers in
-q4_linear.cpp, the captured decoder step and its elementwise ops in decoder_step.cpp), built on
-first use with the system C++ compiler into one library in the user cache, keyed by the sources,
+q4_linear.cpp, the captured decoder step and its elementwise ops in decoder_step.cpp, a MoE step's
+routed experts in moe.cpp), built on first use with the system C++ compiler into one library in the
+user cache, keyed by the sources,
 the flags and the CPU's flags (`-march=native`; -ffp-contract=off and no fast-math keep the bits
 the same on any x86 build), and called through ctypes, which releases the GIL. Without a compiler
 the engine keeps its torch paths.
@@ -22,7 +23,7 @@ from ember.cache import cache_dir
 log = logging.getLogger("ember.kernels")
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = (CSRC / "attention.cpp", CSRC / "q4_linear.cpp", CSRC / "decoder_step.cpp")
+SOURCES = (CSRC / "attention.cpp", CSRC / "q4_linear.cpp", CSRC / "decoder_step.cpp", CSRC / "moe.cpp")
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c++17", "-pthread"]
 
 _lock = threading.Lock()
@@ -85,6 +86,8 @@ def library() -> ctypes.CDLL | None:
         p, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         for name, args in (("ember_rope_store", [p, i64, i64, i64, i64, p, p, p, p, p, p]),
                            ("ember_silu_mul", [p, i64, i64, p, ctypes.c_int]),
+                           ("ember_moe_dense", [p, i64, i64, p, i64, i64, p, p, ctypes.c_int, p, ctypes.c_int]),
+                           ("ember_moe_int4", [p, i64, i64, p, i64, i64, p, p, p, p, p, ctypes.c_int]),
                            ("ember_decoder_step", [p, p, i64, p, p, p, i64, p, i64, f32, f32, i64, p, ctypes.c_int,
                                                    ctypes.c_int])):
             fn = getattr(lib, name)

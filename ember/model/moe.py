@@ -8,11 +8,18 @@ after a migration. An expert's rows are padded to at least MIN_ROWS (torch's CPU
 another kernel for fewer rows; ember.engine.attention measured the same fact) unless the experts are
 packed for oneDNN (`pack_experts`, on CPU), whose kernel gives a row the same bits at any row count
 (checked for 1-63 rows in fp32 and bf16; the dense layers' PackedLinears rely on the same fact).
+On CPU one C++ call runs all of a step's active experts instead (ember.kernels.cpu_moe, `run_experts`:
+every row computed alone, in fp32, bf16 or int4); the loop stays where it cannot build.
 
 Expert parallelism (ember.parallel.expert_parallel): a rank holds only its `local_experts` and every
 token (attention is replicated); it computes the slots routed to its experts, leaves the others
-zero, and `reduce` (an all-reduce over the ranks) fills in the rest: each slot is one rank's value
-plus zeros, exactly what one rank would have computed, so the combine below gives EP = 1's bits."""
+zero, and `reduce_slots` (an all-reduce over the ranks) fills in the rest: each slot is one rank's value
+plus zeros, exactly what one rank would have computed, so the combine below gives EP = 1's bits.
+
+Tensor parallelism (ember.parallel.shard.plan_family): a rank holds every expert's share of the width
+(and the shared expert's), or, with expert parallelism inside the group, its whole experts; either way
+its slots and its shared expert's output are partial sums. It combines them in the same fixed slot
+order and `reduce` (an all-reduce, as after a dense MLP's down_proj) sums the ranks' outputs once."""
 from __future__ import annotations
 
 import torch
@@ -25,6 +32,16 @@ MIN_ROWS = 8
 # each router kind's checkpoint names in the block: (router weight, shared expert's prefix)
 NAMES = {"softmax": ("gate.weight", "shared_experts."), "sigmoid": ("gate.weight", "shared_experts."),
          "llama4": ("router.weight", "shared_expert.")}
+
+
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, weight), the same bits for a row whatever the row count: on CPU fewer than MIN_ROWS
+    rows are padded (for one row torch's fp32 matmul takes a matrix-vector kernel that sums in another
+    order, so a token routed alone got other weights than in a batch)."""
+    rows = x.shape[0]
+    if rows < MIN_ROWS and x.device.type == "cpu":
+        return F.linear(F.pad(x, (0, 0, 0, MIN_ROWS - rows)), weight)[:rows]
+    return F.linear(x, weight)
 
 
 def route_softmax(logits: torch.Tensor, top_k: int, norm: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,8 +89,10 @@ class MoE(nn.Module):
         self.spec = m
         self.num_experts, self.top_k, self.intermediate_size = m.num_experts, m.top_k, m.intermediate_size
         self.first, self.last = m.local_experts or (0, m.num_experts)  # the experts this rank holds
-        self.reduce = None  # expert parallelism: sums the ranks' slots (set_expert_parallel)
+        self.reduce_slots = None  # expert parallelism: sums the ranks' slots (set_expert_parallel)
+        self.reduce = None  # tensor parallelism: sums the ranks' partial outputs (LlamaModel.set_tensor_parallel)
         self.packed = None  # per local expert (gate_up, down) in a packed layout (pack_experts)
+        self.fused = None  # int4 experts for the fused kernel (ember.kernels.cpu_moe.use_int4_experts)
         local = self.last - self.first
         # the sigmoid router scores in fp32 whatever the serving dtype (as its checkpoints are kept)
         # (a plain parameter, not a Linear: the CPU kernels pack Linears, and the router's weight is read as is)
@@ -94,13 +113,13 @@ class MoE(nn.Module):
         """Each token's (weights [T, k] fp32, experts [T, k])."""
         m = self.spec
         if m.router == "sigmoid":
-            logits = F.linear(x.float(), self.router.float())
+            logits = router_logits(x.float(), self.router.float())
             return route_sigmoid(logits, self.correction_bias.float(), m.top_k, m.num_groups, m.topk_groups,
                                  m.norm_topk_prob, m.scaling_factor)
         if m.router == "llama4":
-            weights, experts = route_llama4(F.linear(x, self.router), m.top_k)
+            weights, experts = route_llama4(router_logits(x, self.router), m.top_k)
             return weights.float(), experts
-        weights, experts = route_softmax(F.linear(x, self.router), m.top_k, m.norm_topk_prob)
+        weights, experts = route_softmax(router_logits(x, self.router), m.top_k, m.norm_topk_prob)
         return weights.to(x.dtype).float(), experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,8 +133,35 @@ class MoE(nn.Module):
         scales_input = self.spec.router == "llama4"
         if scales_input:  # Llama 4: each (token, slot) row enters its expert scaled by the slot's score
             rows = rows * weights.flatten()[order].to(x.dtype)[:, None]
-        sharded = self.reduce is not None
-        out = torch.zeros_like(rows) if sharded else torch.empty_like(rows)
+        # (another rank's experts leave their slots zero)
+        out = torch.zeros_like(rows) if self.last - self.first < self.num_experts else torch.empty_like(rows)
+        self.run_experts(rows, counts, out)
+        slots = torch.empty_like(out)
+        slots[order] = out  # back to (token, slot) order
+        if self.reduce_slots is not None:  # every other rank's slots, each one rank's value plus zeros
+            slots = self.reduce_slots(slots)
+        slots = slots.view(tokens, self.top_k, hidden)
+        if not scales_input:
+            slots = slots * weights.to(x.dtype)[..., None]
+        y = slots[:, 0]
+        for j in range(1, self.top_k):  # each token's slots summed in one fixed order
+            y = y + slots[:, j]
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y if self.reduce is None else self.reduce(y)  # (tensor parallel: partial sums, and the shared's)
+
+    def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, out: torch.Tensor) -> None:
+        """out[r] = its expert's MLP of rows[r] (rows grouped by expert, `counts` per expert); the rows of
+        experts this rank does not hold are left as they are. One C++ call over the step's active experts
+        (ember.kernels.cpu_moe: int4 experts, or the stacked fp32 / bf16 ones) where it runs, else one
+        expert at a time."""
+        from ember.kernels import cpu_moe
+        if self.fused is not None:
+            self.fused(rows, counts, self.first, out)
+            return
+        if self.packed is None and cpu_moe.dense_fits(rows, self.gate_up, self.down):
+            cpu_moe.dense_experts(rows, counts, self.first, self.gate_up, self.down, out)
+            return
         ends = counts.cumsum(0).tolist()
         for expert in range(self.first, self.last):
             start, end = (ends[expert - 1] if expert else 0), ends[expert]
@@ -132,34 +178,26 @@ class MoE(nn.Module):
             else:
                 gate, up = F.linear(part, self.gate_up[local]).chunk(2, dim=-1)
                 out[start:end] = F.linear(F.silu(gate) * up, self.down[local])[:end - start]
-        slots = torch.empty_like(out)
-        slots[order] = out  # back to (token, slot) order
-        if sharded:  # every other rank's slots, each one rank's value plus zeros
-            slots = self.reduce(slots)
-        slots = slots.view(tokens, self.top_k, hidden)
-        if not scales_input:
-            slots = slots * weights.to(x.dtype)[..., None]
-        y = slots[:, 0]
-        for j in range(1, self.top_k):  # each token's slots summed in one fixed order
-            y = y + slots[:, j]
-        if self.shared is not None:
-            y = y + self.shared(x)
-        return y
 
     def set_expert_parallel(self, reduce) -> None:
-        self.reduce = reduce
+        self.reduce_slots = reduce
 
     def pack_experts(self, make) -> None:
         """Each local expert's two linears in `make`'s layout (ember.kernels.cpu_linear.PackedLinear:
         oneDNN's blocked weights, ~1.5x F.linear at a decode step's few rows, the same bits); the
-        stacked copies are freed."""
+        stacked copies are freed. Not where the fused kernel runs them (ember.kernels.cpu_moe), as stacked."""
+        from ember.kernels import cpu_moe
+        if cpu_moe.weights_fit(self.gate_up, self.down):
+            return
         self._expert_bytes = self.expert_bytes()
         self.packed = [(make(self.gate_up[e]), make(self.down[e])) for e in range(self.last - self.first)]
         self.gate_up = nn.Parameter(self.gate_up.new_empty(0, *self.gate_up.shape[1:]), requires_grad=False)
         self.down = nn.Parameter(self.down.new_empty(0, *self.down.shape[1:]), requires_grad=False)
 
     def expert_bytes(self) -> int:
-        """Bytes of the routed experts this module holds (packed or stacked)."""
+        """Bytes of the routed experts this module holds (int4, packed or stacked)."""
+        if self.fused is not None:
+            return self.fused.nbytes
         if self.packed is not None:
             return self._expert_bytes
         return sum(p.numel() * p.element_size() for p in (self.gate_up, self.down))

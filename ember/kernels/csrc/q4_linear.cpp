@@ -267,6 +267,14 @@ static void rows_block(const uint16_t* x, int64_t rows, int64_t K, const uint8_t
 }
 
 
+// rows of x times the quads [quad_begin, quad_end) of one weight, on the calling thread: the fused MoE
+// kernel's building block (csrc/moe.cpp), the same bits as ember_q4_linear
+void q4_rows_quads(const uint16_t* x, int64_t rows, int64_t K, const uint8_t* codes, const uint16_t* dm, int64_t N,
+                   int64_t quad_begin, int64_t quad_end, uint16_t* y) {
+    thread_local std::vector<float> scratch;
+    rows_block(x, rows, K, codes, dm, N, quad_begin, quad_end, y, scratch);
+}
+
 extern "C" {
 
 // y [rows, N] = x [rows, K] times the int4 weight, over `threads` threads (the caller's among them):
