@@ -97,6 +97,9 @@ def check_kernels(device: str) -> list[str]:
     x = torch.randn(4, 160, generator=g)
     want = torch.cat([BlockFP8Linear(*q).dequantize(), BlockFP8Linear(*kv).dequantize()])
     check("fp8 fused", fused(x.to(device)), x @ want.T, torch.float32)
+    rows = torch.randperm(200, generator=g)[:150]  # reordered rows, as latent attention's rope rows
+    picked = BlockFP8Linear(*fp8_weight(200, 160, seed=6))
+    check("fp8 rows", picked.select_rows(rows).to(device)(x.to(device)), x @ picked.dequantize()[rows].T, torch.float32)
     return lines
 
 
@@ -273,6 +276,10 @@ def test_fp8_layer_keeps_the_stored_weight_and_falls_back_to_torch_on_cpu(no_int
     assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_bytes == 200 * 160 + 4 * 4
     x = torch.randn(3, 160)
     assert torch.equal(layer(x), F.linear(x, dequantize_fp8(weight, scale, (128, 128))))
+    rows = torch.tensor([199, 3, 130, 127, 128])  # across blocks, out of order
+    picked = layer.select_rows(rows)
+    assert picked.block == (1, 128) and picked.scale_inv.shape == (5, 2)
+    assert torch.equal(picked.dequantize(), layer.dequantize()[rows])
 
 
 def test_expert_tiles_cover_each_local_row_once():

@@ -383,6 +383,13 @@ class BlockFP8Linear(nn.Module):
         return cls(torch.cat([layer.weight for layer in layers]), torch.cat([layer.scale_inv for layer in layers]),
                    block)
 
+    def select_rows(self, index: torch.Tensor) -> BlockFP8Linear:
+        """The layer of rows `index` (any order: latent attention reorders its rope rows, splits
+        kv_b_proj per head), the scales expanded to one per row and column block first (block
+        (1, columns): 4 bytes a row a block, 1/32 of the fp8 weight's bytes at 128 columns)."""
+        per_row = self.scale_inv.repeat_interleave(self.block[0], 0)[:self.out_features]
+        return BlockFP8Linear(self.weight[index], per_row[index], (1, self.block[1]))
+
     @property
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.weight, self.scale_inv))
