@@ -262,6 +262,9 @@ def _memory_table(shape, hardware, dtype, plans, smallest, budget) -> list[str]:
     if shown.workspace is not None:
         lines.append("  workspace of that rank's step:")
         lines += ["  " + line for line in ws.describe(shown.workspace)]
+        torch_recipes = _torch_attention_extra(shape, shown, budget)
+        if torch_recipes:
+            lines.append(torch_recipes)
     if chunked and shown.hybrid_tokens is not None:
         local = sum(layer.chunked for layer in shape.layers)
         per_layer = shown.kv_bytes_per_token // len(shape.layers) if shown.layout.pp == 1 else None
@@ -278,6 +281,22 @@ def _memory_table(shape, hardware, dtype, plans, smallest, budget) -> list[str]:
         lines.append("  hybrid context tokens by concurrent sequences: "
                      + ", ".join(f"{n}: {t:,}" for n, t in others if t is not None))
     return lines
+
+
+def _torch_attention_extra(shape, plan, budget, context: int = 32768) -> str | None:
+    """What the workspace would grow by if prefill ran Ember's torch attention recipes (SDPA with a
+    mask, as its CUDA prefill does today) instead of the paged kernels the plan assumes."""
+    from ember.engine import workspace as ws
+    if budget.reserve_bytes is not None or shape.step is None:
+        return None
+    paged = replace(budget.limits, tp=plan.layout.tp, ep=plan.layout.ep, activation_bytes=2)
+    torch_limits = replace(paged, attention="torch", context_tokens=context, chunked=shape.chunk_size is not None)
+    extra = ws.step_workspace(shape.step, torch_limits).peak_bytes - ws.step_workspace(shape.step, paged).peak_bytes
+    why = "SDPA's math path holds the scores, heads x tokens x context" if shape.attention == "MLA" else \
+        "the context gather and its mask, tokens x context"
+    return (f"  (the plan assumes paged attention kernels (FlashAttention / FlashMLA, as Infire and vLLM run); "
+            f"Ember's torch recipes, which its CUDA prefill runs today, would add {_gib(extra)} a GPU at a "
+            f"{paged.max_num_batched_tokens:,}-token chunk against a {context:,}-token context: {why})")
 
 
 def add_commands(sub: argparse._SubParsersAction) -> None:
