@@ -275,11 +275,15 @@ class BlockManager:
         self._trim(seq)
         start, end = seq.num_computed_tokens, self.blocks_needed(seq.num_computed_tokens + num_new_tokens)
         for window, table in zip(self.windows, self.tables(seq)):
+            if not window:
+                while len(table) < end:
+                    table.append(self._take(seq, reserved=False))
+                continue
+            # (a chunked table holds pages from its next query's chunk start to its end: only what is
+            # appended needs them)
+            first = self.first_needed(start, window)
             while len(table) < end:
-                table.append(FREED if window else self._take(seq, reserved=False))
-            for i in range(self.first_needed(start, window), end):
-                if table[i] == FREED:
-                    table[i] = self._take(seq)
+                table.append(self._take(seq) if len(table) >= first else FREED)
 
     def register_computed(self, seq: Sequence) -> None:
         """Hash and publish seq's blocks that became full with computed KV (every group holding a page
@@ -391,10 +395,8 @@ class BlockManager:
         end = self.blocks_needed(end_tokens)
         missing = 0
         for window, table in zip(self.windows, self.tables(seq)):
-            missing += max(0, end - len(table))
-            if window:
-                first = self.first_needed(seq.num_computed_tokens, window)
-                missing += sum(1 for i in range(first, min(end, len(table))) if table[i] == FREED)
+            # (a chunked table's entries from its next query's chunk start on hold pages: see grow)
+            missing += max(0, end - max(len(table), self.first_needed(seq.num_computed_tokens, window)))
         return missing
 
     def _trim(self, seq: Sequence) -> None:
@@ -404,7 +406,12 @@ class BlockManager:
         reserved = self._reserved.get(id(seq))
         for window, table in zip(self.windows, self.tables(seq)):
             if window:
-                for i in range(min(self.first_needed(seq.num_computed_tokens, window), len(table))):
+                first = min(self.first_needed(seq.num_computed_tokens, window), len(table))
+                # given back up to here already: entries before a chunk start are FREED from the front
+                done = first
+                while done > 0 and table[done - 1] != FREED:
+                    done -= 1
+                for i in range(done, first):
                     if table[i] != FREED:
                         self.release(table[i])
                         if reserved is not None and self.blocks[table[i]].ref_count == 0 and reserved[0] < reserved[2]:
