@@ -154,7 +154,9 @@ def test_expert_parallel_x_pipeline_parallel_gives_ep1_tokens_and_exchanges_bloc
         split.close()
 
 
-def test_expert_parallel_does_not_combine_with_tensor_parallel_yet(checkpoints):
-    with pytest.raises(ValueError, match="does not combine with tensor_parallel"):
-        engine(checkpoints["qwen3_moe"], expert_parallel=2, tensor_parallel=2)
+def test_expert_parallel_inside_tensor_parallel_must_equal_its_degree(checkpoints):
+    """EP with TP spreads whole experts over the TP ranks (tests/test_tensor_parallel_families.py runs it):
+    another degree is refused before any rank starts."""
+    with pytest.raises(ValueError, match="must equal tensor_parallel"):
+        engine(checkpoints["qwen3_moe"], expert_parallel=4, tensor_parallel=2)
     assert torch.distributed.is_available()

@@ -181,7 +181,8 @@ def host_cpu_sets(config: ClusterConfig) -> dict[tuple[str, str, int], str]:
             continue
         host = config.host_of(spec.site)
         if host is not None:
-            ranks = e.tensor_parallel * e.pipeline_parallel * e.expert_parallel
+            # (expert parallelism inside a tensor-parallel group adds no ranks)
+            ranks = e.tensor_parallel * e.pipeline_parallel * (e.expert_parallel if e.tensor_parallel == 1 else 1)
             by_host.setdefault(host, []).append(((spec.role, spec.site, spec.worker), ranks))
     out = {}
     for engines in by_host.values():

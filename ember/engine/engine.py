@@ -79,9 +79,11 @@ class LLMEngine:
         self.config = config
         # ranks load their parts (ember.parallel)
         parallel = config.tensor_parallel > 1 or config.pipeline_parallel > 1 or config.expert_parallel > 1
-        if config.expert_parallel > 1 and config.tensor_parallel > 1:
-            raise ValueError("expert_parallel does not combine with tensor_parallel yet (it does with "
-                             "pipeline_parallel: each stage a group of expert-parallel ranks)")
+        if config.expert_parallel > 1 and config.tensor_parallel > 1 and (
+                config.expert_parallel != config.tensor_parallel or config.pipeline_parallel > 1):
+            raise ValueError("expert_parallel with tensor_parallel spreads whole experts over the tensor-parallel "
+                             "ranks: it must equal tensor_parallel, without pipeline_parallel (expert_parallel "
+                             "combines with pipeline_parallel alone: each stage a group of expert-parallel ranks)")
         if config.pipeline_parallel == 1 and (config.pipeline_partition or config.pipeline_microbatches):
             raise ValueError("pipeline_partition and pipeline_microbatches need pipeline_parallel > 1")
         if parallel and loaded is not None:
@@ -103,9 +105,12 @@ class LLMEngine:
             pending = 0 if parallel or config.kv_cache_mb else weights_not_resident(self.loaded.model)
             pending += engine_workspace(args, config, self.max_model_len).peak_bytes
             num_blocks = config.pool_bytes(pending) // self.layout.block_bytes
-        if config.expert_parallel > 1 and config.device == "cpu" and not config.num_kv_blocks:
-            # every expert-parallel rank holds the whole cache: on one host's memory the pool is split
-            num_blocks //= config.expert_parallel
+        # every expert-parallel rank holds the whole cache, as does every tensor-parallel rank of a latent-attention
+        # model: on one host's memory the pool is split
+        copies = (config.tensor_parallel if args.mla is not None else 1) if config.tensor_parallel > 1 \
+            else config.expert_parallel
+        if copies > 1 and config.device == "cpu" and not config.num_kv_blocks:
+            num_blocks //= copies
         if parallel:
             if config.pipeline_parallel > 1:  # (each stage a group of tensor- or expert-parallel ranks)
                 from ember.parallel.pipeline_parallel import PipelineParallelRunner as Runner
@@ -114,12 +119,14 @@ class LLMEngine:
                     name = f"tensor-parallel-{config.tensor_parallel}-x-{name}"
                 if config.expert_parallel > 1:
                     name = f"expert-parallel-{config.expert_parallel}-x-{name}"
-            elif config.expert_parallel > 1:
+            elif config.tensor_parallel == 1:
                 from ember.parallel.expert_parallel import ExpertParallelRunner as Runner
                 name = f"expert-parallel-{config.expert_parallel}"
-            else:
+            else:  # (expert_parallel > 1: whole experts over the tensor-parallel ranks)
                 from ember.parallel.tensor_parallel import TensorParallelRunner as Runner
                 name = f"tensor-parallel-{config.tensor_parallel}"
+                if config.expert_parallel > 1:
+                    name = f"{name}-x-expert-parallel-{config.expert_parallel}"
             self.runner = Runner(config, self.layout, num_blocks)
             self.cache = self.runner.cache  # whole-model blocks in and out, every rank its part
             self.kernels = [*self.runner.kernels, name]
@@ -247,7 +254,8 @@ class LLMEngine:
         if moe is None:
             return ()
         shards = getattr(self.runner, "shards", None) if self.config.expert_parallel > 1 else None
-        return tuple(next(s.rank for s in shards if s.experts[0] <= e < s.experts[1]) if shards else 0
+        spans = [getattr(s, "experts", None) or s.local_experts for s in shards] if shards else None  # (EP in TP)
+        return tuple(next(r for r, (a, b) in enumerate(spans) if a <= e < b) if spans else 0
                      for e in range(moe.num_experts))
 
     def abort(self, request_id: str) -> None:

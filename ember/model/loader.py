@@ -44,10 +44,9 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense",
     check_weights(path, dtype, weights)
     folder = ensure_gguf_cache(path) if path.suffix == ".gguf" else path
     args = ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
-    experts_only = shard is not None and hasattr(shard, "experts")  # expert parallelism (ExpertShard)
-    if args.family != "llama" and (weights != "dense" or (shard is not None and not experts_only)):
-        raise ValueError(f"a {args.family} model is served with weights: dense, on one rank, expert or pipeline "
-                         f"parallel, for now (int4 and tensor parallelism serve the Llama family)")
+    if args.family != "llama" and weights != "dense":
+        raise ValueError(f"a {args.family} model is served with weights: dense for now (int4 serves the Llama "
+                         "family); it runs on one rank or tensor, expert or pipeline parallel")
     torch_dtype = DTYPES[dtype]
     packs = _cached_packs(path) if weights == "q4" and shard is None and layers is None else None
     tensors = {}
@@ -102,10 +101,11 @@ def _read_part(file: Path, dtype: torch.dtype, args: ModelArgs, shard, layers: t
     copied out of the map). layers: a pipeline stage's [first, last) decoder layers, renumbered from 0,
     the norms, and the embedding where the stage uses it (the first stage looks tokens up; the last
     computes logits, with the embedding when tied; elsewhere an empty one stands in). shard: a
-    tensor-parallel rank's slice of each tensor (ember.parallel.shard.tensor_slice)."""
+    tensor-parallel rank's part of each tensor (ember.parallel.shard.tensor_part: slices, joined when a
+    stacked gate/up gives two), or an expert-parallel rank's experts."""
     from safetensors import safe_open
 
-    from ember.parallel.shard import tensor_slice
+    from ember.parallel.shard import tensor_part
     first, last = layers if layers is not None else (0, args.num_layers)
     needs_embedding = first == 0 or (last == args.num_layers and args.tie_word_embeddings)
     top = args.weights_prefix  # a multimodal wrapper's text model: only its names, under this prefix
@@ -132,10 +132,15 @@ def _read_part(file: Path, dtype: torch.dtype, args: ModelArgs, shard, layers: t
                     continue
                 rows = shard.stacked_rows(name)
                 t = part[:] if rows is None else part[slice(*rows)]
-            else:
-                rows, cols = tensor_slice(name, args, shard)
-                index = (slice(*rows) if rows else slice(None), slice(*cols) if cols else slice(None))
-                t = part[index[:len(part.get_shape())]]
+            else:  # tensor parallel: this rank's pieces (ember.parallel.shard.tensor_part)
+                wanted = tensor_part(bare, args, shard)
+                if wanted is None:
+                    continue  # another rank's expert (expert parallelism inside the group)
+                ndim = len(part.get_shape())
+                index = [tuple(slice(*span) if span else slice(None) for span in piece[:ndim])
+                         for piece in wanted.pieces]
+                pieces = [part[i] if i else part[:] for i in index]
+                t = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=wanted.dim)
             tensors[name_here] = t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t.contiguous()
     return tensors
 

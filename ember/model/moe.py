@@ -13,8 +13,13 @@ every row computed alone, in fp32, bf16 or int4); the loop stays where it cannot
 
 Expert parallelism (ember.parallel.expert_parallel): a rank holds only its `local_experts` and every
 token (attention is replicated); it computes the slots routed to its experts, leaves the others
-zero, and `reduce` (an all-reduce over the ranks) fills in the rest: each slot is one rank's value
-plus zeros, exactly what one rank would have computed, so the combine below gives EP = 1's bits."""
+zero, and `reduce_slots` (an all-reduce over the ranks) fills in the rest: each slot is one rank's value
+plus zeros, exactly what one rank would have computed, so the combine below gives EP = 1's bits.
+
+Tensor parallelism (ember.parallel.shard.plan_family): a rank holds every expert's share of the width
+(and the shared expert's), or, with expert parallelism inside the group, its whole experts; either way
+its slots and its shared expert's output are partial sums. It combines them in the same fixed slot
+order and `reduce` (an all-reduce, as after a dense MLP's down_proj) sums the ranks' outputs once."""
 from __future__ import annotations
 
 import torch
@@ -84,7 +89,8 @@ class MoE(nn.Module):
         self.spec = m
         self.num_experts, self.top_k, self.intermediate_size = m.num_experts, m.top_k, m.intermediate_size
         self.first, self.last = m.local_experts or (0, m.num_experts)  # the experts this rank holds
-        self.reduce = None  # expert parallelism: sums the ranks' slots (set_expert_parallel)
+        self.reduce_slots = None  # expert parallelism: sums the ranks' slots (set_expert_parallel)
+        self.reduce = None  # tensor parallelism: sums the ranks' partial outputs (LlamaModel.set_tensor_parallel)
         self.packed = None  # per local expert (gate_up, down) in a packed layout (pack_experts)
         self.fused = None  # int4 experts for the fused kernel (ember.kernels.cpu_moe.use_int4_experts)
         local = self.last - self.first
@@ -127,13 +133,13 @@ class MoE(nn.Module):
         scales_input = self.spec.router == "llama4"
         if scales_input:  # Llama 4: each (token, slot) row enters its expert scaled by the slot's score
             rows = rows * weights.flatten()[order].to(x.dtype)[:, None]
-        sharded = self.reduce is not None
-        out = torch.zeros_like(rows) if sharded else torch.empty_like(rows)
+        # (another rank's experts leave their slots zero)
+        out = torch.zeros_like(rows) if self.last - self.first < self.num_experts else torch.empty_like(rows)
         self.run_experts(rows, counts, out)
         slots = torch.empty_like(out)
         slots[order] = out  # back to (token, slot) order
-        if sharded:  # every other rank's slots, each one rank's value plus zeros
-            slots = self.reduce(slots)
+        if self.reduce_slots is not None:  # every other rank's slots, each one rank's value plus zeros
+            slots = self.reduce_slots(slots)
         slots = slots.view(tokens, self.top_k, hidden)
         if not scales_input:
             slots = slots * weights.to(x.dtype)[..., None]
@@ -142,7 +148,7 @@ class MoE(nn.Module):
             y = y + slots[:, j]
         if self.shared is not None:
             y = y + self.shared(x)
-        return y
+        return y if self.reduce is None else self.reduce(y)  # (tensor parallel: partial sums, and the shared's)
 
     def run_experts(self, rows: torch.Tensor, counts: torch.Tensor, out: torch.Tensor) -> None:
         """out[r] = its expert's MLP of rows[r] (rows grouped by expert, `counts` per expert); the rows of
@@ -174,7 +180,7 @@ class MoE(nn.Module):
                 out[start:end] = F.linear(F.silu(gate) * up, self.down[local])[:end - start]
 
     def set_expert_parallel(self, reduce) -> None:
-        self.reduce = reduce
+        self.reduce_slots = reduce
 
     def pack_experts(self, make) -> None:
         """Each local expert's two linears in `make`'s layout (ember.kernels.cpu_linear.PackedLinear:

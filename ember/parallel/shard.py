@@ -14,6 +14,19 @@ rows each rank owns, and which slice of each checkpoint tensor that is.
   reads the group's KV); without a measurement, the weights a token reads stand in for it.
 - The embedding and the (tied) output layer are vocab-parallel: a rank holds a contiguous range of
   rows; lookups outside it give zeros (then one all-reduce), logits are gathered to the driver.
+
+The other families (`plan_family`) split the same way where their parts are the same (grouped-query
+attention, dense MLPs, the vocabulary) and by their own parts elsewhere, as vLLM and SGLang do:
+- Latent attention (DeepSeek-V3, Kimi K2.5): the query heads split evenly (q_b_proj / q_proj rows and
+  kv_b_proj's W_UK / W_UV per head, o_proj's input columns per head, then one all-reduce); q_a_proj,
+  kv_a_proj and their norms are replicated, and so is the latent cache: every rank computes and keeps
+  the whole (kv_lora_rank + rope) row of every token, so a block is whole-model on every rank.
+- Mixture of experts: every routed expert and the shared expert split by width (gate/up rows, down
+  input columns); a rank's slots and its shared expert's output are partial sums, combined locally in
+  the fixed slot order and all-reduced once. With expert parallelism inside the group
+  (`expert_parallel` = the degree) each rank holds whole experts instead (`local_experts`). The
+  router is replicated. Widths are split evenly (in steps of ALIGN where they allow): measured
+  balancing is the Llama family's (its uneven KV groups).
 """
 from __future__ import annotations
 
@@ -32,12 +45,27 @@ class RankShard:
     kv_heads: tuple[int, int]  # [first, last) global KV heads (a replica when shared with other ranks)
     columns: tuple[int, int]  # [first, last) of the MLP's intermediate columns
     vocab: tuple[int, int]  # [first, last) rows of the embedding / output layer
+    # a mixture of experts (plan_family; None: no MoE): [first, last) of each routed expert's columns and
+    # of the shared expert's; with expert parallelism inside the group, the whole experts this rank holds
+    expert_columns: tuple[int, int] | None = None
+    shared_columns: tuple[int, int] | None = None
+    local_experts: tuple[int, int] | None = None
 
     def local_args(self, args: ModelArgs) -> ModelArgs:
-        """The shape of this rank's part of the model."""
-        return replace(args, num_heads=self.q_heads[1] - self.q_heads[0],
-                       num_kv_heads=self.kv_heads[1] - self.kv_heads[0],
-                       intermediate_size=self.columns[1] - self.columns[0], vocab_size=self.vocab[1] - self.vocab[0])
+        """The shape of this rank's part of the model. (For latent attention `kv_heads` counts the
+        cache's one latent "head", held whole by every rank; num_kv_heads is not used there.)"""
+        moe = args.moe
+        if moe is not None and self.expert_columns is not None:
+            moe = replace(moe, intermediate_size=_width(self.expert_columns),
+                          shared_intermediate_size=_width(self.shared_columns) if self.shared_columns else 0,
+                          local_experts=self.local_experts)
+        return replace(args, num_heads=_width(self.q_heads),
+                       num_kv_heads=args.num_kv_heads if args.mla is not None else _width(self.kv_heads),
+                       intermediate_size=_width(self.columns), vocab_size=_width(self.vocab), moe=moe)
+
+
+def _width(span: tuple[int, int]) -> int:
+    return span[1] - span[0]
 
 
 def _split(total: int, parts: int) -> list[tuple[int, int]]:
@@ -73,33 +101,89 @@ class ShardCosts:
         return ShardCosts(attention_params(args, group, 1), mlp_params(args, ALIGN))
 
 
-def plan(args: ModelArgs, degree: int, costs: ShardCosts | None = None) -> list[RankShard]:
+def plan(args: ModelArgs, degree: int, costs: ShardCosts | None = None, expert_parallel: int = 1
+         ) -> list[RankShard]:
     """Every rank's shard at tensor-parallel `degree`, balanced by `costs` (None: by the weights a
-    token reads). Raises ValueError for a degree that cannot split this model (its reason in the
-    message)."""
+    token reads; a latent-attention or mixture-of-experts model splits evenly, `plan_family`, where
+    `expert_parallel` may spread whole experts over the ranks). Raises ValueError for a degree that
+    cannot split this model (its reason in the message)."""
     if degree < 1:
         raise ValueError(f"tensor_parallel must be >= 1, got {degree}")
-    heads, kv, group = args.num_heads, args.num_kv_heads, args.num_heads // args.num_kv_heads
-    if degree <= kv:
-        kv_ranges = _split(kv, degree)
-        q_ranges = [(a * group, b * group) for a, b in kv_ranges]
-    else:
-        if degree % kv or group % (degree // kv):
-            raise ValueError(f"tensor_parallel {degree} does not split {heads} query heads in {kv} KV groups: "
-                             f"use a divisor of {kv}, or a multiple of {kv} that divides {heads}")
-        per = heads // degree
-        q_ranges = [(r * per, (r + 1) * per) for r in range(degree)]
-        kv_ranges = [(a // group, a // group + 1) for a, _ in q_ranges]
+    if args.mla is not None or args.moe is not None:
+        return plan_family(args, degree, expert_parallel)
+    if expert_parallel > 1:
+        plan_experts(args, expert_parallel)  # (refuses a dense model by name)
+    q_ranges, kv_ranges = _gqa_heads(args, degree)
     if args.intermediate_size % ALIGN:
         raise ValueError(f"intermediate size {args.intermediate_size} is not a multiple of {ALIGN}")
     if degree > args.intermediate_size // ALIGN:
         raise ValueError(f"tensor_parallel {degree} exceeds the {args.intermediate_size // ALIGN} steps of {ALIGN} "
                          "MLP columns every rank needs one of")
     costs = costs or ShardCosts.by_weights(args)
+    group = args.num_heads // args.num_kv_heads
     attention = [costs.group * (b - a) / group for a, b in q_ranges]
     columns = _balanced_columns(attention, costs.mlp_step, args.intermediate_size // ALIGN)
     vocab = _split(args.vocab_size, degree)
     return [RankShard(r, degree, q_ranges[r], kv_ranges[r], columns[r], vocab[r]) for r in range(degree)]
+
+
+def _gqa_heads(args: ModelArgs, degree: int) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Each rank's query heads and KV heads: whole KV groups, or (degree > KV heads) an equal share of
+    one group's query heads with a replica of its KV head."""
+    heads, kv, group = args.num_heads, args.num_kv_heads, args.num_heads // args.num_kv_heads
+    if degree <= kv:
+        kv_ranges = _split(kv, degree)
+        return [(a * group, b * group) for a, b in kv_ranges], kv_ranges
+    if degree % kv or group % (degree // kv):
+        raise ValueError(f"tensor_parallel {degree} does not split {heads} query heads in {kv} KV groups: "
+                         f"use a divisor of {kv}, or a multiple of {kv} that divides {heads}")
+    per = heads // degree
+    q_ranges = [(r * per, (r + 1) * per) for r in range(degree)]
+    return q_ranges, [(a // group, a // group + 1) for a, _ in q_ranges]
+
+
+def _split_width(total: int, parts: int, what: str) -> list[tuple[int, int]]:
+    """[0, total) columns into `parts` contiguous ranges as even as steps of ALIGN allow (of the largest
+    power of two under it that divides `total` into at least `parts` steps, for narrow experts)."""
+    step = ALIGN
+    while step > 1 and (total % step or total // step < parts):
+        step //= 2
+    if total < parts:
+        raise ValueError(f"tensor_parallel {parts} exceeds the {total} columns of {what}")
+    return [(a * step, b * step) for a, b in _split(total // step, parts)]
+
+
+def plan_family(args: ModelArgs, degree: int, expert_parallel: int = 1) -> list[RankShard]:
+    """Every rank's shard of a latent-attention or mixture-of-experts model at tensor-parallel `degree`
+    (the module docstring says how each part splits). expert_parallel: 1, or `degree` for whole experts
+    spread over the group's ranks (EP inside the TP group) in place of every expert split by width."""
+    if args.mla is not None:
+        if degree > args.num_heads:
+            raise ValueError(f"tensor_parallel {degree} exceeds the model's {args.num_heads} attention heads")
+        q_ranges = _split(args.num_heads, degree)
+        kv_ranges = [(0, args.kv_cache_heads)] * degree  # the latent cache, whole on every rank
+    else:
+        q_ranges, kv_ranges = _gqa_heads(args, degree)
+    columns = _split_width(args.intermediate_size, degree, "the dense MLP")
+    vocab = _split(args.vocab_size, degree)
+    moe = args.moe
+    experts, shared, local = [None] * degree, [None] * degree, [None] * degree
+    if moe is not None:
+        if expert_parallel not in (1, degree):
+            raise ValueError(f"expert_parallel {expert_parallel} inside tensor_parallel {degree}: the experts "
+                             f"spread over the tensor-parallel ranks, so expert_parallel must be 1 or {degree}")
+        if expert_parallel > 1:
+            local = plan_experts(args, expert_parallel)
+            local = [s.experts for s in local]
+            experts = [(0, moe.intermediate_size)] * degree
+        else:
+            experts = _split_width(moe.intermediate_size, degree, "a routed expert")
+        if moe.shared_intermediate_size:
+            shared = _split_width(moe.shared_intermediate_size, degree, "the shared expert")
+    elif expert_parallel > 1:
+        plan_experts(args, expert_parallel)  # (refuses a dense model by name)
+    return [RankShard(r, degree, q_ranges[r], kv_ranges[r], columns[r], vocab[r], experts[r], shared[r], local[r])
+            for r in range(degree)]
 
 
 def _balanced_columns(attention: list[float], per_step: float, steps: int) -> list[tuple[int, int]]:
@@ -137,25 +221,105 @@ def rank_params(args: ModelArgs, shard: RankShard) -> int:
                               + mlp_params(args, local.intermediate_size))
 
 
-# What slice of each Hugging Face checkpoint tensor a rank takes: (rows, columns), each a
-# [first, last) range or None for all. Per layer names are matched on their suffix.
-def tensor_slice(name: str, args: ModelArgs, shard: RankShard) -> tuple[tuple[int, int] | None, tuple[int, int] | None]:
-    d = args.head_dim
-    q = (shard.q_heads[0] * d, shard.q_heads[1] * d)
-    kv = (shard.kv_heads[0] * d, shard.kv_heads[1] * d)
-    if name.endswith("self_attn.q_proj.weight"):
-        return q, None
-    if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
-        return kv, None
-    if name.endswith("self_attn.o_proj.weight"):
-        return None, q
-    if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
-        return shard.columns, None
-    if name.endswith("mlp.down_proj.weight"):
-        return None, shard.columns
+Span = tuple[int, int]  # [first, last)
+
+
+@dataclass(frozen=True)
+class TensorPart:
+    """What a rank reads of one checkpoint tensor: `pieces`, each a span per leading dimension (None:
+    all of it; dimensions past the tuple whole), joined along `dim` (a stacked gate/up tensor's rank
+    part is its gate columns and its up columns, two pieces)."""
+    pieces: tuple[tuple[Span | None, ...], ...]
+    dim: int = 0
+
+    @staticmethod
+    def of(*spans: Span | None) -> TensorPart:
+        return TensorPart((tuple(spans),))
+
+
+WHOLE = TensorPart(((),))
+
+
+def tensor_part(name: str, args: ModelArgs, shard: RankShard) -> TensorPart | None:
+    """The part of the Hugging Face checkpoint tensor `name` (without a wrapper's `weights_prefix`) a
+    rank reads; None: none of it (another rank's expert under expert parallelism). Per-layer names are
+    matched on what follows the layer's attention or MLP prefix."""
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        return shard.vocab, None
-    return None, None  # norms: whole on every rank
+        return TensorPart.of(shard.vocab)
+    attention, mlp = ".self_attn.", f".{args.mlp_name}."
+    if attention in name:
+        return _attention_part(name.split(attention, 1)[1], args, shard)
+    if mlp in name:
+        return _mlp_part(name.split(mlp, 1)[1], args, shard)
+    return WHOLE  # norms: whole on every rank
+
+
+def _attention_part(rest: str, args: ModelArgs, shard: RankShard) -> TensorPart:
+    a, b = shard.q_heads
+    m = args.mla
+    if m is not None:  # latent attention: per head rows of the query and kv_b_proj, o_proj's columns
+        if rest in ("q_b_proj.weight", "q_proj.weight"):
+            return TensorPart.of((a * m.qk_head_dim, b * m.qk_head_dim))
+        if rest == "kv_b_proj.weight":
+            per = m.qk_nope_head_dim + m.v_head_dim
+            return TensorPart.of((a * per, b * per))
+        if rest == "o_proj.weight":
+            return TensorPart.of(None, (a * m.v_head_dim, b * m.v_head_dim))
+        return WHOLE  # q_a_proj, kv_a_proj_with_mqa, their norms: replicated
+    d = args.head_dim
+    if rest == "q_proj.weight":
+        return TensorPart.of((a * d, b * d))
+    if rest in ("k_proj.weight", "v_proj.weight"):
+        return TensorPart.of((shard.kv_heads[0] * d, shard.kv_heads[1] * d))
+    if rest == "o_proj.weight":
+        return TensorPart.of(None, (a * d, b * d))
+    return WHOLE  # q_norm / k_norm (per head_dim)
+
+
+def _mlp_part(rest: str, args: ModelArgs, shard: RankShard) -> TensorPart | None:
+    """A dense MLP's, a shared expert's or a routed expert's part: gate/up rows, down's input columns."""
+    parts = rest.split(".")
+    if parts[0] in ("shared_experts", "shared_expert"):
+        return _linear_part(parts[-2], shard.shared_columns)
+    if parts[0] != "experts":
+        return _linear_part(parts[0], shard.columns)  # a dense MLP (or the router: not a projection)
+    experts, columns = shard.local_experts, shard.expert_columns
+    if parts[1].isdigit():  # one expert's own tensors
+        if experts is not None and not experts[0] <= int(parts[1]) < experts[1]:
+            return None
+        return _linear_part(parts[2], columns)
+    width = args.moe.intermediate_size
+    whole = columns is None or columns == (0, width)
+    # Llama 4 stacks them x @ w, [E, H, 2I] / [E, I, H]; the others as F.linear rows, [E, 2I, H] / [E, H, I]
+    x_at_w = args.moe.router == "llama4"
+    if parts[1] == "gate_up_proj":
+        if whole:
+            return TensorPart.of(experts)
+        gate, up = columns, (width + columns[0], width + columns[1])
+        if x_at_w:
+            return TensorPart(((experts, None, gate), (experts, None, up)), dim=2)
+        return TensorPart(((experts, gate), (experts, up)), dim=1)
+    if parts[1] == "down_proj":
+        if whole:
+            return TensorPart.of(experts)
+        return TensorPart.of(experts, columns) if x_at_w else TensorPart.of(experts, None, columns)
+    return TensorPart.of(experts)  # (another stacked tensor of the experts)
+
+
+def _linear_part(projection: str, columns: Span | None) -> TensorPart:
+    if columns is None or projection not in ("gate_proj", "up_proj", "down_proj"):
+        return WHOLE
+    return TensorPart.of(None, columns) if projection == "down_proj" else TensorPart.of(columns)
+
+
+def tensor_slice(name: str, args: ModelArgs, shard: RankShard) -> tuple[Span | None, Span | None]:
+    """(rows, columns) of a 2-D checkpoint tensor a rank takes, each a [first, last) or None for all
+    (tensor_part's single piece; the int4 path slices the GGUF's codes with it)."""
+    top = args.weights_prefix
+    part = tensor_part(name[len(top):] if top and name.startswith(top) else name, args, shard)
+    [piece] = part.pieces
+    rows, cols = (tuple(piece) + (None, None))[:2]
+    return rows, cols
 
 
 @dataclass(frozen=True)

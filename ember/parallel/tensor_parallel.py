@@ -8,7 +8,13 @@ KV blocks stay whole-model: `ShardedKVCache` gives the engine the export/import 
 cache. An export gathers every rank's heads of the block into the driver's buffer in the
 whole-model layout (layer, K/V, token, head, dim), so frames do not depend on the parallel layout
 and engines of different degrees exchange blocks; an import sends the block to every rank, which
-takes its heads.
+takes its heads. A latent-attention model's cache (one latent row per token and layer) is whole on
+every rank: each rank computes the same latent from the same hidden state, an export is the driver's
+copy and an import goes whole to every rank.
+
+The model families' parts split as shard.py says: grouped-query or latent attention by heads, dense
+MLPs and every routed and shared expert by width (or, with `expert_parallel` equal to the degree, whole
+experts spread over the ranks), each layer's partial sums joined by one all-reduce.
 """
 from __future__ import annotations
 
@@ -184,12 +190,16 @@ class TensorParallelRunner(ParallelRunner):
         args = model_args(config)
         threads = max(1, config.torch_threads() // self.degree)
         torch.set_num_threads(threads)
-        # groups that do not split evenly over the ranks: MLP columns balance them, by measured cost
-        uneven = self.degree < args.num_kv_heads and args.num_kv_heads % self.degree
+        # groups that do not split evenly over the ranks: MLP columns balance them, by measured cost (the
+        # Llama family's shape; the latent and mixture-of-experts families split evenly, shard.plan_family)
+        uneven = self.degree < args.num_kv_heads and args.num_kv_heads % self.degree and \
+            args.mla is None and args.moe is None
         self.costs = measure_costs(args, getattr(torch, config.dtype), min(16, config.max_num_seqs)) if uneven \
             else None
-        self.shards = plan(args, self.degree, self.costs)
+        self.shards = plan(args, self.degree, self.costs, expert_parallel=config.expert_parallel)
         self.layout = layout
+        # latent attention: every rank holds the whole cache, so the driver's copy is the export
+        self.replicated_cache = all(s.kv_heads == (0, layout.num_kv_heads) for s in self.shards)
         self._start(self.degree, _rank_main, lambda r: (config, self.shards[r], layout, num_blocks, threads), "tp",
                     config.device, lambda: TensorRank(config, self.shards[0], layout, num_blocks))
         self.cache = ShardedKVCache(self)
@@ -207,6 +217,8 @@ class TensorParallelRunner(ParallelRunner):
     @torch.inference_mode()
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """[L, 2, n, block_size, Hkv, D]: the blocks in the whole-model layout."""
+        if self.replicated_cache:
+            return self.me.cache.kv[:, :, block_ids]
         with self.group.failing():
             self.group.send("export", block_ids, self._heads_width)
             parts = self.me.export(block_ids, self._heads_width)
