@@ -68,7 +68,8 @@ class EngineSettings(Section):
                                                         "tensor_parallel ranks (processes)")
     expert_parallel: int = Field(1, ge=1, description="ranks (processes) a mixture-of-experts model's routed "
                                                       "experts are split over, attention replicated "
-                                                      "(ember.parallel.expert_parallel); tokens equal EP = 1's")
+                                                      "(ember.parallel.expert_parallel); tokens equal EP = 1's. "
+                                                      "Equal to tensor_parallel: whole experts over its ranks")
     pipeline_partition: list[int] | None = Field(None, description="layers per stage (forces the split); unset: "
                                                                    "from the measured cost profile")
     pipeline_microbatches: int = Field(0, ge=0, description="micro-batches of disjoint sequences a step is split "
