@@ -191,3 +191,19 @@ def test_pack_experts_keeps_the_stacked_experts_for_the_fused_kernel():
     moe = make_moe()
     moe.pack_experts(PackedLinear)
     assert moe.packed is None and moe.gate_up.numel() == EXPERTS * 2 * INTER * HIDDEN
+
+
+def test_int4_pack_streams_experts_and_takes_scale_low_pairs():
+    """A loader may hand experts one at a time (an iterator and a count) and asymmetric codes as
+    (scale, low) pairs: low = -8 scale is the symmetric pack exactly; a short iterator is refused."""
+    experts = quantized_experts(moe_weights(experts=3))
+    symmetric = cpu_moe.int4_experts(experts)
+    pairs = [tuple((codes, (scale, -8 * scale)) for codes, scale in expert) for expert in experts]
+    streamed = cpu_moe.int4_experts(iter(pairs), count=3)
+    for name in ("gate_up_codes", "gate_up_dm", "down_codes", "down_dm"):
+        assert torch.equal(getattr(streamed, name), getattr(symmetric, name))
+    with pytest.raises(ValueError, match="2 experts given, 3 expected"):
+        cpu_moe.int4_experts(iter(pairs[:2]), count=3)
+    (gc, gs), (uc, us), (dc, ds) = experts[0]
+    with pytest.raises(ValueError, match="intermediate 48"):  # (the kernel's quads take 32 activations)
+        cpu_moe.int4_experts([((gc[:48], gs[:48]), (uc[:48], us[:48]), (dc[:, :48], ds[:, :1]))])

@@ -89,15 +89,26 @@ def float16_exact(name: str, values: np.ndarray) -> np.ndarray:
 
 class Int4Experts:
     """Every local expert's gate/up and down as int4 packs (csrc/q4_linear.cpp's layout), stacked for
-    one kernel call a step. gate_up's outputs are interleaved by 32 (interleave_gate_up)."""
+    one kernel call a step, filled one expert at a time (`put`: a loader streaming experts holds one
+    expert's unpacked codes at a time). gate_up's outputs are interleaved by 32 (interleave_gate_up)."""
 
-    def __init__(self, gate_up: list[Q4Pack], down: list[Q4Pack]):
-        self.num_experts = len(gate_up)
-        self.hidden, self.intermediate = down[0].out_features, down[0].in_features
-        self.gate_up_codes = torch.stack([p.codes for p in gate_up])
-        self.gate_up_dm = torch.stack([p.dm for p in gate_up])
-        self.down_codes = torch.stack([p.codes for p in down])
-        self.down_dm = torch.stack([p.dm for p in down])
+    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+        if not int4_fits(hidden, intermediate):
+            raise ValueError(f"int4 experts: hidden {hidden} (% 64) or intermediate {intermediate} (% 32) "
+                             "does not fit the kernel, or it did not build")
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        h, i = hidden, intermediate
+        self.gate_up_codes = torch.empty(num_experts, 2 * i // QUAD, h // 8, 4, 16, 4, dtype=torch.uint8)
+        self.gate_up_dm = torch.empty(num_experts, 2 * i // QUAD, h // 32, 2, QUAD, dtype=torch.int16)
+        self.down_codes = torch.empty(num_experts, h // QUAD, i // 8, 4, 16, 4, dtype=torch.uint8)
+        self.down_dm = torch.empty(num_experts, h // QUAD, i // 32, 2, QUAD, dtype=torch.int16)
+
+    def put(self, expert: int, gate_up: Q4Pack, down: Q4Pack) -> None:
+        """Expert `expert`'s packs (gate_up over interleave_gate_up's rows) into the stack."""
+        self.gate_up_codes[expert].copy_(gate_up.codes.view(self.gate_up_codes.shape[1:]))
+        self.gate_up_dm[expert].copy_(gate_up.dm)
+        self.down_codes[expert].copy_(down.codes.view(self.down_codes.shape[1:]))
+        self.down_dm[expert].copy_(down.dm)
 
     @property
     def nbytes(self) -> int:
@@ -131,11 +142,13 @@ def int4_fits(hidden: int, intermediate: int) -> bool:
     return hidden % QUAD == 0 and intermediate % 32 == 0 and library() is not None
 
 
-def int4_experts(experts, low: str = "symmetric") -> Int4Experts:
+def int4_experts(experts, count: int | None = None) -> Int4Experts:
     """The MoE's int4 expert pack from per-expert ((gate codes, gate scale), (up codes, up scale),
-    (down codes, down scale)): codes uint8 0..15 [out, in], scale [out, in / 32] (numpy or torch, any
-    float dtype). `low="symmetric"`: w = scale * (q - 8) (Kimi K2.5's routed experts), i.e. Ember's
-    int4 format with low = -8 scale; or pass each scale as a (scale, low) pair for asymmetric codes."""
+    (down codes, down scale)), in local expert order: codes uint8 0..15 [out, in], scale [out, in / 32]
+    (numpy or torch, any float dtype). Symmetric: w = scale * (q - 8) (Kimi K2.5's routed experts), i.e.
+    Ember's int4 format with low = -8 scale; pass a (scale, low) pair instead of a scale for asymmetric
+    codes (w = scale * q + low). `experts` may be an iterator (a loader reading one expert at a time)
+    when `count` says how many it yields."""
     def parts(pair):
         codes, scale = pair
         codes = numpy(codes)
@@ -145,15 +158,18 @@ def int4_experts(experts, low: str = "symmetric") -> Int4Experts:
             m = -8 * s
         return codes.astype(np.uint8), float16_exact("scale", s), float16_exact("low", m)
 
-    gate_up, down = [], []
-    for gate, up, dn in experts:
+    count = len(experts) if count is None else count
+    pack, seen = None, 0
+    for e, (gate, up, dn) in enumerate(experts):
         (gc, gs, gm), (uc, us, um), (dc, ds, dm) = parts(gate), parts(up), parts(dn)
-        if not int4_fits(dc.shape[0], gc.shape[0]):
-            raise ValueError(f"int4 experts: hidden {dc.shape[0]} (% 64) or intermediate {gc.shape[0]} (% 32) "
-                             "does not fit the kernel, or it did not build")
-        gate_up.append(Q4Pack(interleave_gate_up(gc, uc), interleave_gate_up(gs, us), interleave_gate_up(gm, um)))
-        down.append(Q4Pack(dc, ds, dm))
-    return Int4Experts(gate_up, down)
+        if pack is None:
+            pack = Int4Experts(count, dc.shape[0], gc.shape[0])
+        pack.put(e, Q4Pack(interleave_gate_up(gc, uc), interleave_gate_up(gs, us), interleave_gate_up(gm, um)),
+                 Q4Pack(dc, ds, dm))
+        seen = e + 1
+    if pack is None or seen != count:
+        raise ValueError(f"int4 experts: {seen} experts given, {count} expected")
+    return pack
 
 
 def use_int4_experts(moe, experts) -> None:

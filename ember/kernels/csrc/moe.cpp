@@ -127,15 +127,18 @@ inline void dots(const float* x, int64_t K, const void* w, const int64_t* rows, 
 }
 
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
-// The same on AVX2 registers: each sixteen-lane accumulator as two halves (lanes 0-7, 8-15), the same
-// fused multiply-adds lane for lane, then the same fixed lane tree: the same bits. (The generic vectors
-// above go through the stack on AVX2.)
+// The same on AVX2 registers: each sixteen-lane accumulator as two halves, the same fused multiply-adds
+// element for element, then the same fixed lane tree: the same bits. (The generic vectors above go
+// through the stack on AVX2.) fp32: the halves are elements 0-7 and 8-15 of each sixteen. bf16: the
+// even elements and the odd ones (a shift and a mask widen sixteen bf16 weights, where unpacking them in
+// order costs twice the instructions and bound the kernel), so x comes permuted alike (even_odd) and
+// the lanes are put back in order before the tree.
 template <bool BF16>
 inline void load_w(const void* w, int64_t at, __m256& lo, __m256& hi) {
     if (BF16) {
         const __m256i h = _mm256_loadu_si256((const __m256i*)((const uint16_t*)w + at));
-        lo = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(h)), 16));
-        hi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm256_extracti128_si256(h, 1)), 16));
+        lo = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));                             // elements 0, 2, .. 14
+        hi = _mm256_castsi256_ps(_mm256_and_si256(h, _mm256_set1_epi32((int)0xffff0000u)));  // 1, 3, .. 15
     } else {
         lo = _mm256_loadu_ps((const float*)w + at);
         hi = _mm256_loadu_ps((const float*)w + at + 8);
@@ -160,16 +163,31 @@ inline void dots_avx2(const float* x, int64_t K, const void* w, const int64_t* r
     }
     for (int r = 0; r < R; ++r)
         for (int p = 0; p < P; ++p) {
-            float a[LANES];
-            _mm256_storeu_ps(a, lo[r][p]);
-            _mm256_storeu_ps(a + 8, hi[r][p]);
+            float a[LANES], l[8], h[8];
+            _mm256_storeu_ps(l, lo[r][p]);
+            _mm256_storeu_ps(h, hi[r][p]);
+            for (int i = 0; i < 8; ++i) {
+                if (BF16) a[2 * i] = l[i], a[2 * i + 1] = h[i];
+                else a[i] = l[i], a[8 + i] = h[i];
+            }
             for (int width = LANES / 2; width >= 1; width /= 2)  // common.h's lane_sum tree
                 for (int i = 0; i < width; ++i) a[i] = a[i] + a[i + width];
             dot[r][p] = a[0];
         }
 }
 #define MOE_AVX2 1
+const bool EVEN_ODD = true;  // bf16 rows of x are read permuted (even elements, then odd, per sixteen)
+#else
+const bool EVEN_ODD = false;
 #endif
+
+// rows [n, K] fp32 with each sixteen reordered even elements first (the AVX2 bf16 kernel's lanes)
+const float* even_odd(const float* x, int64_t n, int64_t K, std::vector<float>& buf) {
+    buf.resize(n * K);
+    for (int64_t k = 0; k < n * K; k += LANES)
+        for (int i = 0; i < 8; ++i) buf[k + i] = x[k + 2 * i], buf[k + 8 + i] = x[k + 2 * i + 1];
+    return buf.data();
+}
 
 // dots over n rows, in tiles of TILE rows and the remainder one by one
 template <int P, bool BF16>
@@ -198,7 +216,9 @@ template <bool BF16>
 void dense_gate_up(const void* x, int64_t n, int64_t H, int64_t I, const void* gate_up, int64_t begin, int64_t end,
                    float* act) {
     thread_local std::vector<float> wide, gu;
+    thread_local std::vector<float> permuted;
     const float* xf = widen<BF16>(x, n, H, wide);
+    if (BF16 && EVEN_ODD) xf = even_odd(xf, n, H, permuted);
     const int64_t width = end - begin;
     gu.resize(n * width * 2);
     float (*dot)[2] = (float (*)[2])gu.data();
@@ -234,13 +254,14 @@ void dense_gate_up(const void* x, int64_t n, int64_t H, int64_t I, const void* g
 template <bool BF16>
 void dense_down(const float* act, int64_t n, int64_t H, int64_t I, const void* down, int64_t begin, int64_t end,
                 void* out) {
-    thread_local std::vector<float> col;
+    thread_local std::vector<float> col, permuted;
     col.resize(BLOCK);
+    const float* x = BF16 && EVEN_ODD ? even_odd(act, n, I, permuted) : act;
     for (int64_t first = 0; first < n; first += BLOCK) {
         const int64_t m = n - first < BLOCK ? n - first : BLOCK;
         for (int64_t o = begin; o < end; ++o) {
             const int64_t rows[1] = {o};
-            dots_rows<1, BF16>(act + first * I, m, I, down, rows, (float (*)[1])col.data());
+            dots_rows<1, BF16>(x + first * I, m, I, down, rows, (float (*)[1])col.data());
             for (int64_t r = first; r < first + m; ++r) {
                 if (BF16) ((uint16_t*)out)[r * H + o] = f32_to_bf16(col[r - first]);
                 else ((float*)out)[r * H + o] = col[r - first];
