@@ -169,11 +169,9 @@ def test_tensor_parallel_greedy_tokens_equal_tp1_and_transformers(kind, layout, 
         assert name.startswith("tensor-parallel-2") and ("expert-parallel-2" in name) == ("ep2" in layout)
         assert greedy(split, ids) == want
         if layout != "tp2-pp2":
-            me = split.runner.me
-            assert me.loaded.model.layers[0].self_attn.reduce is not None
-            heads = 2  # of the 4: this rank's own
-            attn = me.loaded.model.layers[-1].self_attn
-            assert getattr(attn, "num_heads", None) == heads
+            assert split.runner.me.loaded.model.layers[-1].self_attn.num_heads == 2  # this rank's 2 of the 4
+            # the rank holding each expert, as ember:moe_expert_tokens_total{expert,rank} labels it
+            assert split.expert_ranks == ((0,) * 4 + (1,) * 4 if "ep2" in layout else (0,) * 8)
     finally:
         split.close()
 
