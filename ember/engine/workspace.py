@@ -17,8 +17,10 @@ score matrix (Ember's C++ CPU kernel and Triton decode; FlashAttention and Flash
 what Infire and vLLM run). "torch": Ember's torch recipes (ember.engine.attention: SDPA, the
 batch-invariant tiles), which gather a prefill chunk's cached context and build its mask, tokens x
 context; where q and v differ in width (MLA's absorbed form: 576 against 512) torch's SDPA takes its
-math path and holds the scores and their softmax, heads x tokens x context in fp32. Those grow with
-the context (`context_tokens`: the engine sizes for max_model_len).
+math path and holds the scores and their softmax, heads x tokens x context in fp32. "exact": the
+batch-invariant bf16 recipe where the C++ kernel does not serve (chunked layers): the context in
+fp32 and score tiles of 256 queries x context. Those grow with the context (`context_tokens`: the
+engine sizes for max_model_len).
 
 `gpu_runtime` is the other part of a GPU's memory that is neither weights nor KV: the CUDA context,
 the collectives' buffers, the allocator's slack; `GPU_MEMORY_MIB` is what CUDA reports a GPU holds.
@@ -123,7 +125,7 @@ class StepLimits:
     device: str = "cuda"
     cuda_graph_sizes: tuple[int, ...] = ()  # decode steps captured as CUDA graphs: their private pool
     cpu_captured_sizes: tuple[int, ...] = ()  # Ember's captured CPU step (ember.kernels.cpu_step): its buffers
-    attention: str = "paged"  # "paged" or "torch" (module docstring)
+    attention: str = "paged"  # "paged", "torch" or "exact" (module docstring)
     context_tokens: int = 0  # "torch": the longest context a prefill chunk attends to (its own tokens included)
     kv_cache_bytes: int = 2  # the cache's element size (what a gather copies)
     chunked: bool = False  # chunked local attention (Llama 4): the torch recipe's mask is a second bool matrix
@@ -206,11 +208,23 @@ def _attention(terms, add, shape: StepShape, limits: StepLimits) -> None:
         add("attention output", t * q * b, f"{t} x {heads} x {d} x {b} B", "attention")
         kv_dim, planes = d, 2
     add("o_proj output", t * shape.hidden_size * b, f"{t} x {shape.hidden_size} x {b} B", "attention")
-    if limits.attention == "torch" and limits.context_tokens:
+    if limits.attention in ("torch", "exact") and limits.context_tokens:
         c, cb = limits.context_tokens, limits.kv_cache_bytes
         add("context gather", planes * c * kv_heads * kv_dim * cb,
             f"{planes} planes x {c} context x {kv_heads} x {kv_dim} x {cb} B", "attention")
-        masks = 2 if limits.chunked else 1
+    if limits.attention == "exact" and limits.context_tokens:
+        c, d = -(-limits.context_tokens // 128) * 128, kv_dim
+        rows = min(t, 256) * (heads // kv_heads)  # a tile's query rows: 256 tokens x the group
+        add("context as fp32 heads", planes * c * kv_heads * d * 4, f"{planes} x {c} x {kv_heads} x {d} x 4 B",
+            "attention")
+        add("queries grouped fp32, output", 2 * t * heads * d * 4, f"2 x {t} x {heads} x {d} x 4 B", "attention")
+        add("score tile, softmax, mask", kv_heads * rows * c * 8 + rows * c,
+            f"{kv_heads} x {rows} rows x {c} x (2 x 4) B + {rows} x {c} B", "attention")
+        add("block partials and their sum", 2 * kv_heads * (c // 128) * rows * d * 4,
+            f"2 x {kv_heads} x {c // 128} blocks x {rows} x {d} x 4 B", "attention")
+        return
+    if limits.attention == "torch" and limits.context_tokens:
+        c, masks = limits.context_tokens, 2 if limits.chunked else 1
         add("mask, bool and as fp32", t * c * (masks + 4), f"{t} x {c} x ({masks} + 4) B", "attention")
         if shape.latent is not None:  # SDPA's math path: scores and softmax, fp32
             add("scores, softmax (SDPA math path)", 2 * heads * t * c * 4, f"2 x {heads} x {t} x {c} x 4 B",
@@ -303,7 +317,12 @@ def engine_workspace(args, config, max_model_len: int) -> Workspace:
     chunk against max_model_len); on CPU the captured step's buffers."""
     cpu = config.device == "cpu"
     chunked = bool(args.attention_chunks and any(args.attention_chunks))
-    paged = cpu and config.attention_backend == "cpp" and args.mla is None and not chunked
+    if cpu and config.attention_backend == "cpp" and args.mla is None and not chunked:
+        attention = "paged"  # the C++ kernel reads the cache in place
+    elif cpu and config.dtype != "float32" and args.mla is None:
+        attention = "exact"  # the batch-invariant torch recipe (chunked layers: the kernel does not mask them)
+    else:
+        attention = "torch"  # SDPA: the fp32 reference path, MLA, and every prefill on CUDA
     captured = (cpu and config.weights == "q4" and args.family == "llama" and not config.enforce_eager
                 and config.optimize and args.moe is None and args.mla is None)
     batch_invariant = cpu and config.dtype != "float32" and config.attention_backend != "triton"  # (as the engine)
@@ -311,7 +330,7 @@ def engine_workspace(args, config, max_model_len: int) -> Workspace:
     limits = StepLimits(config.max_num_batched_tokens, config.max_num_seqs, speculative,
                         4 if config.dtype == "float32" else 2, device=config.device,
                         cpu_captured_sizes=tuple(config.capture_sizes) if captured else (),
-                        attention="paged" if paged else "torch", context_tokens=max_model_len,
+                        attention=attention, context_tokens=max_model_len,
                         kv_cache_bytes=4 if config.dtype == "float32" else 2, chunked=chunked)
     return step_workspace(step_shape_of(args), limits)
 
