@@ -47,6 +47,15 @@ def engine_settings(args) -> dict:
     return {name: getattr(args, name) for name in engine_flags()}
 
 
+def _problems(e: ValueError) -> str:
+    """An error's text on one line: a settings validation error's problems only, without pydantic's
+    layout and links."""
+    errors = getattr(e, "errors", None)
+    if not callable(errors):
+        return str(e)
+    return "; ".join(item["msg"].removeprefix("Value error, ") for item in errors())
+
+
 def cmd_generate(args) -> int:
     if args.router:
         return _generate_remote(args)
@@ -64,7 +73,7 @@ def cmd_generate(args) -> int:
     try:
         engine = LLMEngine(EngineConfig(model=args.model, **engine_settings(args)))
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_problems(e)}", file=sys.stderr)
         return 2
     prompt = args.prompt
     if args.chat:

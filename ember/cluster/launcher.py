@@ -151,6 +151,9 @@ def prepare_model(config: ClusterConfig) -> Path:
         raise FileNotFoundError(f"model not found: {model} (from `model: {config.model}` in the config)")
     if model.suffix == ".gguf":
         prepare_gguf(model)
+    else:  # an unserved checkpoint format (its quantization_config) refused before any process starts
+        from ember.model.files import resolve_serving
+        resolve_serving(model, config.engine.dtype, config.engine.weights)
     return model
 
 

@@ -107,13 +107,15 @@ def resolve_serving(path: str | Path, dtype: str = "auto", weights: str = "auto"
     """The (dtype, weights) a model serves with; "auto" picks the default for the file.
 
     A GGUF whose layers are Q4_1 serves its own codes on int4 kernels with bf16 activations
-    and KV, as llama.cpp serves the file (lossless with respect to it); any other GGUF, and
+    and KV, as llama.cpp serves the file (lossless with respect to it), and so does a checkpoint of
+    int4 group-32 weights (Kimi K2.5's routed experts; the rest of it bf16); any other GGUF, and
     `weights="dense"`, dequantizes to fp32 (the exact path, equal to transformers). An HF
     folder serves dense in its checkpoint's dtype (bf16 stays bf16, anything else fp32).
     """
     path = Path(path)
     if weights == "auto":
-        weights = "q4" if dtype in ("auto", "bfloat16") and is_q4_1_gguf(path) else "dense"
+        int4 = is_q4_1_gguf(path) or int4_folder(path)
+        weights = "q4" if dtype in ("auto", "bfloat16") and int4 else "dense"
     if dtype == "auto":
         if weights == "q4":
             dtype = "bfloat16"
@@ -126,6 +128,23 @@ def resolve_serving(path: str | Path, dtype: str = "auto", weights: str = "auto"
         raise ValueError(f"dtype must be 'auto' or one of {DTYPES}, got {dtype!r}")
     check_weights(path, dtype, weights)
     return dtype, weights
+
+
+def checkpoint_scheme(path: Path):
+    """An HF folder's published quantization (ember.model.quant_config; None: unquantized or a GGUF);
+    raises QuantizationError for a format Ember does not serve."""
+    if path.suffix == ".gguf" or not (path / "config.json").exists():
+        return None
+    from ember.model.quant_config import parse_quantization
+    return parse_quantization(json.loads((path / "config.json").read_text()))
+
+
+def int4_folder(path: Path) -> bool:
+    """Whether an HF folder's weights are int4 in groups of 32 (Kimi K2.5's experts), which Ember's int4
+    kernels serve as they are (weights "q4")."""
+    from ember.model.quant_config import PackedInt
+    scheme = checkpoint_scheme(path)
+    return isinstance(scheme, PackedInt) and scheme.num_bits == 4 and scheme.group_size == 32
 
 
 def is_q4_1_gguf(path: Path) -> bool:
@@ -161,8 +180,12 @@ def check_weights(path: str | Path, dtype: str, weights: str) -> None:
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
     check_pair(dtype, weights)
-    if weights == "q4" and Path(path).suffix != ".gguf":
-        raise ValueError(f"weights 'q4' serves a GGUF's Q4_1 codes; {str(path)!r} is not a GGUF")
+    path = Path(path)
+    scheme = checkpoint_scheme(path)  # (refuses an unserved quantization_config whatever the weights)
+    if weights == "q4" and path.suffix != ".gguf" and not int4_folder(path):
+        from ember.model.quant_config import describe
+        raise ValueError(f"weights 'q4' serves a file's own 4-bit codes (a Q4_1 GGUF, or a checkpoint of "
+                         f"int4 group-32 weights); {str(path)!r} is {describe(scheme)}")
 
 
 def layout_of(args, fingerprint: str, dtype: str, block_size: int):

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ember.model.args import PRESETS, ModelArgs  # noqa: F401  (re-exported)
+from ember.model.checkpoint import MissingTensorError
 from ember.model.rope import apply_rope, apply_rope_interleaved, rope_cos_sin  # noqa: F401  (re-exported)
 
 
@@ -49,16 +50,17 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-class Checkpoint:
+class TakeOnce:
     """A checkpoint's tensors by name, taken once each: `take(name)` pops it (sources are dropped as
-    they are fused: one copy at a time); `take.has(name)`."""
+    they are fused: one copy at a time); `take.has(name)`. A missing one raises MissingTensorError
+    (ember.model.checkpoint says in which stored form it was looked for)."""
 
     def __init__(self, tensors: dict[str, torch.Tensor]):
         self.tensors = tensors
 
     def __call__(self, name: str) -> torch.Tensor:
         if name not in self.tensors:
-            raise KeyError(f"checkpoint is missing tensor {name!r}")
+            raise MissingTensorError(f"checkpoint is missing tensor {name!r}", name)
         return self.tensors.pop(name)
 
     def has(self, name: str) -> bool:
@@ -110,7 +112,7 @@ class Attention(nn.Module):
         out = self.o_proj(attend(layer_idx, q, k, v).reshape(num_tokens, -1))
         return out if self.reduce is None else self.reduce(out)
 
-    def hf_weights(self, take: Checkpoint, prefix: str, linears: bool = True) -> dict[str, torch.Tensor]:
+    def hf_weights(self, take: TakeOnce, prefix: str, linears: bool = True) -> dict[str, torch.Tensor]:
         own = {}
         if self.q_norm is not None:
             own["q_norm.weight"], own["k_norm.weight"] = take(prefix + "q_norm.weight"), take(prefix + "k_norm.weight")
@@ -133,7 +135,7 @@ class MLP(nn.Module):
         out = self.down_proj(F.silu(gate) * up)
         return out if self.reduce is None else self.reduce(out)
 
-    def hf_weights(self, take: Checkpoint, prefix: str, linears: bool = True) -> dict[str, torch.Tensor]:
+    def hf_weights(self, take: TakeOnce, prefix: str, linears: bool = True) -> dict[str, torch.Tensor]:
         if not linears:
             return {}
         return {"gate_up_proj.weight": torch.cat([take(prefix + "gate_proj.weight"), take(prefix + "up_proj.weight")]),
@@ -231,7 +233,7 @@ class LlamaModel(nn.Module):
         linears=False: the layers' linears are in place already (int4 modules) and not in `tensors`.
 
         Consumes `tensors` (entries are popped as they are used)."""
-        take = Checkpoint(tensors)
+        take = TakeOnce(tensors)
         own = {}
         top = self.args.weights_prefix  # a multimodal wrapper's text model: its names under this
         own["embed_tokens.weight"] = take(top + "model.embed_tokens.weight")

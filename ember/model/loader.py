@@ -11,9 +11,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from ember.model.checkpoint import Checkpoint, MissingTensorError
 from ember.model.files import check_weights, ensure_gguf_cache, folder_fingerprint, weights_fingerprint
 from ember.model.llama import LlamaModel, ModelArgs
-from ember.model.safetensors_io import read_safetensors
 from ember.model.tokenizer import Tokenizer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -44,22 +44,28 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense",
     check_weights(path, dtype, weights)
     folder = ensure_gguf_cache(path) if path.suffix == ".gguf" else path
     args = ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
-    if args.family != "llama" and weights != "dense":
-        raise ValueError(f"a {args.family} model is served with weights: dense for now (int4 serves the Llama "
-                         "family); it runs on one rank or tensor, expert or pipeline parallel")
+    checkpoint = Checkpoint(folder)  # sharded files and published quantized formats (ember.model.checkpoint)
+    # a checkpoint's own int4 routed experts (Kimi K2.5) stay int4, on the fused MoE kernel
+    int4_experts = weights == "q4" and path.suffix != ".gguf"
+    if int4_experts and (shard is not None or layers is not None):
+        raise ValueError("a checkpoint's int4 experts (weights: q4) are served on one rank for now; "
+                         "tensor, expert and pipeline parallelism serve it with weights: dense")
+    if args.family != "llama" and weights != "dense" and not (int4_experts and args.moe is not None):
+        raise ValueError(f"a {args.family} model is served with weights: dense, or with weights: q4 where its "
+                         "checkpoint's routed experts are int4 (int4 serves the Llama family's GGUFs); it runs on "
+                         "one rank or tensor, expert or pipeline parallel")
     torch_dtype = DTYPES[dtype]
     packs = _cached_packs(path) if weights == "q4" and shard is None and layers is None else None
-    tensors = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        if shard is not None or layers is not None:
-            tensors.update(_read_part(file, torch_dtype, args, shard, layers))
-        else:
-            # the embedding is only looked up by row: map it, don't load it (113 MB for SmolLM2);
-            # layer linears the packed cache holds are never read; nor a multimodal wrapper's other towers
-            embedding = args.weights_prefix + "model.embed_tokens.weight"
-            tensors.update(read_safetensors(file, torch_dtype, mapped=(embedding,),
-                                            skip=_is_layer_linear if packs is not None else _outside(args)))
-    weights_bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    if shard is not None or layers is not None:
+        tensors = _read_part(checkpoint, torch_dtype, args, shard, layers)
+    else:
+        # the embedding is only looked up by row: map it, don't load it (113 MB for SmolLM2);
+        # layer linears the packed cache holds are never read; nor a multimodal wrapper's other towers
+        embedding = args.weights_prefix + "model.embed_tokens.weight"
+        tensors = checkpoint.read_all(torch_dtype, mapped=(embedding,),
+                                      skip=_is_layer_linear if packs is not None else _outside(args),
+                                      keep_int4=_is_routed_expert if int4_experts else None)
+    weights_bytes = sum(t.numel() * t.element_size() for t in tensors.values() if isinstance(t, torch.Tensor))
     local = args if shard is None else shard.local_args(args)
     if layers is not None:
         local = local.for_layers(*layers)
@@ -74,9 +80,14 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense",
     if packs is not None:
         weights_bytes = _use_packed_int4(model, packs, tensors)
     else:
-        model.load_hf_state_dict(tensors)
+        if int4_experts:
+            weights_bytes += _use_int4_experts(model, args, tensors, checkpoint)
+        try:
+            model.load_hf_state_dict(tensors)
+        except MissingTensorError as e:  # named with the stored form it was looked for in
+            raise checkpoint.missing(e.name) from None
         model.eval().requires_grad_(False)
-        if weights == "q4":
+        if weights == "q4" and not int4_experts:
             weights_bytes = _use_int4(model, path, args, shard, layers[0] if layers is not None else 0)
     return LoadedModel(args, model, Tokenizer.from_folder(folder),
                        weights_fingerprint(folder_fingerprint(folder), weights), path.stem, weights_bytes, weights)
@@ -95,22 +106,20 @@ def read_metadata(path: str | Path, dtype: str = "float32", weights: str = "dens
                        weights_fingerprint(folder_fingerprint(folder), weights), path.stem, 0, weights)
 
 
-def _read_part(file: Path, dtype: torch.dtype, args: ModelArgs, shard, layers: tuple[int, int] | None
+def _read_part(checkpoint: Checkpoint, dtype: torch.dtype, args: ModelArgs, shard, layers: tuple[int, int] | None
                ) -> dict[str, torch.Tensor]:
-    """A parallel rank's part of the file's tensors, read through safetensors' slices (only the part is
+    """A parallel rank's part of the checkpoint's tensors, read through safetensors' slices (only the part is
     copied out of the map). layers: a pipeline stage's [first, last) decoder layers, renumbered from 0,
     the norms, and the embedding where the stage uses it (the first stage looks tokens up; the last
     computes logits, with the embedding when tied; elsewhere an empty one stands in). shard: a
     tensor-parallel rank's part of each tensor (ember.parallel.shard.tensor_part: slices, joined when a
     stacked gate/up gives two), or an expert-parallel rank's experts."""
-    from safetensors import safe_open
-
     from ember.parallel.shard import tensor_part
     first, last = layers if layers is not None else (0, args.num_layers)
     needs_embedding = first == 0 or (last == args.num_layers and args.tie_word_embeddings)
     top = args.weights_prefix  # a multimodal wrapper's text model: only its names, under this prefix
     tensors = {}
-    with safe_open(str(file), framework="pt") as f:
+    with checkpoint as f:  # safetensors' slice interface over every file, quantized weights dequantized
         for name in f.keys():
             if not name.startswith(top):
                 continue  # (the wrapper's vision tower and projector)
@@ -157,6 +166,39 @@ def _outside(args: ModelArgs):
     if not args.weights_prefix:
         return None
     return lambda name: not name.startswith(args.weights_prefix)
+
+
+def _is_routed_expert(name: str) -> bool:
+    return ".experts." in name and name.endswith("_proj.weight")
+
+
+def _use_int4_experts(model: LlamaModel, args: ModelArgs, tensors: dict, checkpoint: Checkpoint) -> int:
+    """Give each MoE block its checkpoint's int4 experts on the fused kernel (ember.kernels.cpu_moe:
+    the codes and scales as stored, w = scale * (q - 8)); returns their bytes. The experts' entries
+    are taken out of `tensors`."""
+    from ember.kernels.cpu_moe import use_int4_experts
+    from ember.model.checkpoint import PackedInt4
+    from ember.model.moe import MoE
+    total = 0
+    for i, layer in enumerate(model.layers):
+        moe = getattr(layer, "mlp", None)
+        if not isinstance(moe, MoE):
+            continue
+        prefix = f"{args.weights_prefix}model.layers.{i}.{args.mlp_name}.experts."
+        experts = []
+        for e in range(moe.first, moe.last):
+            names = [f"{prefix}{e}.{p}_proj.weight" for p in ("gate", "up", "down")]
+            missing = [n for n in names if n not in tensors]
+            if missing:
+                raise checkpoint.missing(missing[0])
+            parts = [tensors.pop(n) for n in names]
+            if not all(isinstance(t, PackedInt4) for t in parts):
+                raise ValueError(f"weights 'q4': expert {e} of layer {i} is not stored as int4 in "
+                                 f"{checkpoint.folder.name}; serve the checkpoint with weights: dense")
+            experts.append(tuple((t.codes, t.scale) for t in parts))
+        use_int4_experts(moe, experts)
+        total += moe.expert_bytes()
+    return total
 
 
 def _is_layer_linear(name: str) -> bool:

@@ -213,7 +213,9 @@ class MoE(nn.Module):
         if self.spec.router == "sigmoid":
             own["correction_bias"] = take(prefix + "gate.e_score_correction_bias")
         stacked = prefix + "experts.gate_up_proj"
-        if take.has(stacked):
+        if self.fused is not None:  # int4 experts in place already (ember.kernels.cpu_moe.use_int4_experts)
+            own["gate_up"], own["down"] = self.gate_up, self.down
+        elif take.has(stacked):
             own["gate_up"], own["down"] = take(stacked), take(prefix + "experts.down_proj")
             whole = stacked_is_whole(own["gate_up"], self.num_experts, self.last - self.first)
             if self.spec.router == "llama4":  # x @ w layout: to the F.linear rows every other family has

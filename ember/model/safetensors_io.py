@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-           "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+           "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+           "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 def read_safetensors(path: Path, dtype: torch.dtype | None = None, mapped: tuple[str, ...] = (),
@@ -53,11 +54,18 @@ def read_safetensors(path: Path, dtype: torch.dtype | None = None, mapped: tuple
     return tensors
 
 
-def tensor_names(path: Path) -> list[str]:
-    """The tensors a .safetensors file holds (its header only)."""
+def read_header(path: Path) -> dict[str, dict]:
+    """A .safetensors file's tensors (name -> dtype, shape, data_offsets), from its header only."""
     with open(path, "rb") as f:
         (header_len,) = struct.unpack("<Q", f.read(8))
-        return [name for name in json.loads(f.read(header_len)) if name != "__metadata__"]
+        header = json.loads(f.read(header_len))
+    header.pop("__metadata__", None)
+    return header
+
+
+def tensor_names(path: Path) -> list[str]:
+    """The tensors a .safetensors file holds (its header only)."""
+    return list(read_header(path))
 
 
 class _MappedBytes:
