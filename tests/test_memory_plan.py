@@ -91,6 +91,9 @@ def test_kimi_k25_int4_fits_eight_h100_with_over_30_gib_of_kv(kimi):
     assert tp8.weight_bytes == pytest.approx(76.2e9, rel=0.005)
     # the arithmetic closes: capacity - runtime - weights - workspace = the KV pool, every rank alike
     assert tp8.kv_pool_bytes == tp8.capacity_bytes - tp8.runtime_bytes - tp8.weight_bytes - tp8.workspace_bytes
+    pp8 = _layout(eight, 1, 8, 1)                                          # the tightest stage's own weights
+    assert pp8.kv_pool_bytes == pp8.capacity_bytes - pp8.runtime_bytes - pp8.tightest_weight_bytes \
+        - pp8.workspace_bytes and pp8.kv_pool_bytes == pytest.approx(3.0 * mp.GIB, rel=0.01)
     assert tp8.kv_node_bytes == 8 * tp8.kv_pool_bytes and tp8.kv_node_bytes >= 30 * mp.GIB
     assert tp8.context_tokens == int(tp8.kv_pool_bytes // 70_272) > 70_000
     terms = {t.name: t.nbytes for t in tp8.workspace.terms}

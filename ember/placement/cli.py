@@ -255,7 +255,7 @@ def _memory_table(shape, hardware, dtype, plans, smallest, budget) -> list[str]:
                  f"({total / 1e9:,.1f} GB); within the budget above, {budgeted}")
     shown = top or min(plans, key=lambda p: p.weight_bytes + p.workspace_bytes)
     lines.append(f"  {shown.layout}, the tightest rank: {_gib(shown.capacity_bytes)} - runtime "
-                 f"{_gib(shown.runtime_bytes)} - weights {_gib(shown.weight_bytes)} - workspace "
+                 f"{_gib(shown.runtime_bytes)} - weights {_gib(shown.tightest_weight_bytes)} - workspace "
                  f"{_gib(shown.workspace_bytes)} = KV pool "
                  f"{_gib(shown.kv_pool_bytes)}; / {shown.kv_bytes_per_token:,} B a token = {shown.context_tokens:,} "
                  f"context tokens")

@@ -416,6 +416,7 @@ class LayoutPlan:
     kv_pool_bytes: float = 0  # on the tightest rank
     kv_node_bytes: float = 0  # every rank's KV pool, summed
     chunk_window_bytes: float = 0  # hybrid: the chunked layers' windows on the tightest rank
+    tightest_weight_bytes: float = 0  # the weights of the rank whose context is least (a stage's: PP)
 
     @property
     def fits(self) -> bool:
@@ -508,7 +509,7 @@ def plan_layout(shape: ModelShape, hardware: Hardware, layout: Layout, dtype: st
     node = sum(max(0.0, r[2]) for r in rows) * layout.tp
     return LayoutPlan(layout, dtype, fullest, per_layer_kv * max(map(len, layer_ranges)),
                       context if reason is None else 0, reason, hybrid, budget.sequences, int(capacity), runtime,
-                      workspace, max(0.0, free), node, windows)
+                      workspace, max(0.0, free), node, windows, weights)
 
 
 def plan_memory(shape: ModelShape, hardware: Hardware, dtype: str, budget: Budget = Budget()) -> list[LayoutPlan]:
