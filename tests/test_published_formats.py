@@ -265,3 +265,15 @@ def test_kimi_int4_experts_are_batch_invariant_and_near_the_exact_path(folders, 
     folder = folders["int4"][0]
     report = compare_to_reference(load_model(folder, "float32", "dense"), {"q4": engine.loaded}, prompts, 16)["q4"]
     assert report["top1_agreement"] >= 0.8 and report["mean_kl"] < 0.01, report
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_at_tensor_parallel_2_the_same_transformers_tokens(fmt, folders, prompts, expected):
+    """Each rank reads its slices of the quantized tensors (dequantized, then sliced: ranks as processes)."""
+    engine = engine_for(folders[fmt][0], tensor_parallel=2)
+    try:
+        outs = engine.generate(prompts[:2], greedy())
+    finally:
+        engine.close()
+    assert [o.token_ids for o in outs] == expected[fmt][:2]
