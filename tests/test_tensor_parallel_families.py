@@ -161,7 +161,8 @@ LAYOUTS = {"tp2": dict(tensor_parallel=2), "tp2-ep2": dict(tensor_parallel=2, ex
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_tensor_parallel_greedy_tokens_equal_tp1_and_transformers(kind, layout, checkpoints, references):
     """fp32: TP = 2 (every expert split by width), TP = 2 with the experts whole over the two ranks,
-    and TP = 2 x PP = 2 give TP = 1's tokens, which are transformers' (the `references` fixture)."""
+    and TP = 2 x PP = 2 give TP = 1's tokens, which are transformers' (the `references` fixture). At
+    TP x PP the latent blocks gathered from every stage take a TP = 1 engine on to TP = 1's tokens."""
     ids, want = references[kind]
     split = engine(checkpoints[kind], **LAYOUTS[layout])
     try:
@@ -172,8 +173,28 @@ def test_tensor_parallel_greedy_tokens_equal_tp1_and_transformers(kind, layout, 
             assert split.runner.me.loaded.model.layers[-1].self_attn.num_heads == 2  # this rank's 2 of the 4
             # the rank holding each expert, as ember:moe_expert_tokens_total{expert,rank} labels it
             assert split.expert_ranks == ((0,) * 4 + (1,) * 4 if "ep2" in layout else (0,) * 8)
+        elif kind == "deepseek_v3":  # each stage's latent layers, gathered whole: TP = 1 continues from them
+            [split_long] = greedy(split, [ids[1] + ids[2] + ids[3]])
+            exported = _exported(split, ids[1] + ids[2] + ids[3])
     finally:
         split.close()
+    if layout == "tp2-pp2" and kind == "deepseek_v3":
+        prompt = ids[1] + ids[2] + ids[3]
+        [alone] = greedy(engine(checkpoints[kind]), [prompt])
+        assert split_long == alone
+        one = engine(checkpoints[kind])
+        assert one.import_blocks(prompt, *exported) == len(exported[0]) >= 2
+        [got] = one.generate([prompt], SamplingParams(max_tokens=STEPS, ignore_eos=True))
+        assert got.cached_tokens == len(exported[0]) * one.config.block_size and got.token_ids == alone
+
+
+def _exported(eng: LLMEngine, prompt: list[int]) -> tuple[list[bytes], list[bytes]]:
+    """(hashes, payloads) of the prompt's full blocks before its last token, as `eng` exports them."""
+    from ember.kv import wire
+    from ember.kv.block_hash import chain_hashes
+    bs = eng.config.block_size
+    hashes = chain_hashes(prompt[:(len(prompt) - 1) // bs * bs], bs, eng.block_manager.root_hash)
+    return hashes, [bytes(wire.decode_frame(f, eng.frame_template)) for f in eng.export_frames(hashes)]
 
 
 @pytest.fixture(scope="module")
