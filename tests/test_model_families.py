@@ -236,18 +236,25 @@ def test_a_family_model_refuses_what_it_cannot_be_served_with(checkpoints):
 
 @pytest.mark.timeout(600)
 def test_a_latent_moe_model_through_the_disaggregated_cluster_gives_transformers_tokens(
-        tmp_path, checkpoints, references, prompts):
-    """DeepSeek-V3's structure (latent KV, routed experts) through real processes: prefill at the
-    central site, its one-plane latent blocks through the kvstores to decode at the edge; a second
-    turn's prefill reuses the first turn's blocks. Tokens equal transformers' both turns."""
+        tmp_path, checkpoints, prompts):
+    """DeepSeek-V3's structure (latent KV, routed experts) in Kimi K2.5's published format (int4 experts,
+    compressed-tensors pack-quantized, sharded: tests/published_formats.py) through real processes on the
+    exact path: prefill at the central site, its one-plane latent blocks through the kvstores to decode
+    at the edge; a second turn's prefill reuses the first turn's blocks. Tokens equal transformers' on
+    the dequantized weights both turns."""
+    from transformers import AutoModelForCausalLM
+
     from ember.client import RouterClient
     from ember.cluster.launcher import running
     from ember.cluster.ports import write_local_config
     from ember.kv import wire
     from ember.model.files import layout_of
     from tests.cluster_fixture import decode_span
+    from tests.published_formats import write_published
+    kimi, dequantized = write_published(checkpoints["deepseek_v3"], tmp_path / "published", "int4")
+    references = {"deepseek_v3": (AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32).eval(), {})}
     config = tmp_path / "cluster.yaml"
-    addr = write_local_config(config, str(checkpoints["deepseek_v3"]), dtype="float32", weights="dense")
+    addr = write_local_config(config, str(kimi), dtype="float32", weights="dense")
     turn1 = prompts[-1][:300]
     with running(config, tmp_path, timeout_s=300):
         with RouterClient(addr["router"]) as client:
