@@ -221,7 +221,8 @@ def test_an_unknown_architecture_is_refused_naming_those_served():
 
 def test_a_family_model_refuses_what_it_cannot_be_served_with(checkpoints):
     from ember.model.loader import load_model
-    with pytest.raises(ValueError, match="not a GGUF"):  # q4 serves a GGUF's codes: a folder has none
+    # q4 serves a file's own 4-bit codes (a Q4_1 GGUF, an int4 group-32 checkpoint): this folder has none
+    with pytest.raises(ValueError, match="weights 'q4' serves a file's own 4-bit codes.*is unquantized"):
         load_model(checkpoints["qwen3"], "bfloat16", "q4")
     from ember.parallel.shard import plan
     args = read_model_args(checkpoints["qwen3_moe"])
@@ -250,7 +251,7 @@ def test_a_latent_moe_model_through_the_disaggregated_cluster_gives_transformers
     from ember.kv import wire
     from ember.model.files import layout_of
     from tests.cluster_fixture import decode_span
-    from tests.published_formats import write_published
+    from ember.bench.published_formats import write_published
     kimi, dequantized = write_published(checkpoints["deepseek_v3"], tmp_path / "published", "int4")
     references = {"deepseek_v3": (AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32).eval(), {})}
     config = tmp_path / "cluster.yaml"

@@ -22,7 +22,7 @@ from ember.model.checkpoint import Checkpoint, MissingTensorError, dequantize_fp
 from ember.model.quant_config import QuantizationError, parse_quantization
 from tests.conftest import PROMPTS
 from tests.families import build
-from tests.published_formats import FP8_CONFIG, int4_quantization_config, quantize_fp8, write_published
+from ember.bench.published_formats import FP8_CONFIG, int4_quantization_config, quantize_fp8, write_published
 
 STEPS = 24
 FORMATS = ("int4", "fp8")

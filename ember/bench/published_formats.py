@@ -1,4 +1,5 @@
-"""Small random checkpoints in the mission models' published formats, written from a dense one:
+"""Random checkpoints in the mission models' published formats, written from a dense one (for the tests
+and `ember bench moe`; needs compressed-tensors, in the test and bench extras):
 
 - Kimi K2.5's: routed experts int4, compressed-tensors `pack-quantized` (symmetric, group 32, bf16
   `weight_scale`), written by compressed-tensors' own compressor; attention, shared experts, the dense
