@@ -100,7 +100,8 @@ def step_bytes(common: dict, moe: dict | None, experts_run: float, intermediate:
     q = common["num_attention_heads"] * common["head_dim"]
     kv = common["num_key_value_heads"] * common["head_dim"]
     attention = (2 * q + 2 * kv) * h
-    mlp = experts_run * 3 * h * moe["moe_intermediate_size"] * expert_bytes_per_weight / 2 if moe else 3 * h * intermediate
+    expert = 3 * h * moe["moe_intermediate_size"] * expert_bytes_per_weight / 2 if moe else 0
+    mlp = experts_run * expert if moe else 3 * h * intermediate
     router = moe["num_experts"] * h if moe else 0
     return 2 * (layers * (attention + mlp + router) + common["vocab_size"] * h)
 

@@ -1,9 +1,10 @@
 """A MoE step's routed experts in one C++ call (csrc/moe.cpp, built by ember.kernels.native).
 
 ember.model.moe.MoE groups a step's (token, slot) rows by expert; looping over the active experts in
-Python cost a linear, a chunk, a SiLU, a multiply, a linear and a copy per expert per layer (a MoE
-decode step was 1.49x a dense model of the same active size at batch 1). Here one call runs every
-active expert's gate/up -> silu * up -> down over its rows, each expert's weights streamed once.
+Python cost a linear, a chunk, a SiLU, a multiply, a linear and a copy per expert per layer. Here one
+call runs every active expert's gate/up -> silu * up -> down over its rows, each expert's weights
+streamed once. `ember bench moe` (bf16, 2 threads, this AVX2 host): a batch-1 decode step 110 ms on
+the loop, 36 ms fused, against 30-33 ms for a dense model of the same active size.
 
 Two weight formats:
 - dense (fp32 or bf16, the MoE's own stacked gate_up [E, 2I, H] and down [E, H, I], read in place):
@@ -60,7 +61,9 @@ def dense_experts(rows: torch.Tensor, counts: torch.Tensor, first: int, gate_up:
     """out[r] = its expert's SwiGLU MLP of rows[r], rows grouped by expert (`counts` [all experts] int64),
     for the rows of the local experts first .. first + E - 1 (the other rows of `out` untouched);
     gate_up [E, 2I, H] (gate rows, then up rows), down [E, H, I]."""
-    rows, counts = rows.contiguous(), counts.contiguous()
+    rows, counts = rows.contiguous(), counts.to(torch.int64).contiguous()
+    if not out.is_contiguous() or out.shape != rows.shape or out.dtype != rows.dtype:
+        raise ValueError("fused MoE: out must be a contiguous tensor like rows")
     intermediate = down.shape[-1]
     if library().ember_moe_dense(rows.data_ptr(), rows.shape[1], intermediate, counts.data_ptr(), first,
                                  gate_up.shape[0], gate_up.data_ptr(), down.data_ptr(),
@@ -118,7 +121,9 @@ class Int4Experts:
 
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor, first: int, out: torch.Tensor) -> torch.Tensor:
         """As dense_experts over these experts; rows in any float dtype (computed from bf16), out in rows' dtype."""
-        x, counts = rows.to(torch.bfloat16).contiguous(), counts.contiguous()
+        x, counts = rows.to(torch.bfloat16).contiguous(), counts.to(torch.int64).contiguous()
+        if not out.is_contiguous() or out.shape != rows.shape:
+            raise ValueError("fused int4 MoE: out must be a contiguous tensor shaped like rows")
         result = out if out.dtype == torch.bfloat16 else out.to(torch.bfloat16)
         if library().ember_moe_int4(x.data_ptr(), self.hidden, self.intermediate, counts.data_ptr(), first,
                                     self.num_experts, self.gate_up_codes.data_ptr(), self.gate_up_dm.data_ptr(),

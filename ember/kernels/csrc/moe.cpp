@@ -2,7 +2,8 @@
 //
 // The caller groups the step's (token, slot) rows by expert (rows [offsets[e], offsets[e + 1]) go to
 // local expert e) and this runs every active expert's SwiGLU MLP over its rows: gate and up, then
-// silu(gate) * up, then down, each expert's weights streamed once a call. Two phases over the shared
+// silu(gate) * up, then down, each expert's weights streamed once a call (for up to BLOCK rows an expert,
+// a decode step's; a prefill's blocks of rows re-read a part's weights from cache). Two phases over the shared
 // pool: every active expert's gate/up outputs (split in chunks of intermediate outputs, silu * up applied
 // by the part that computed them), then every active expert's down outputs (chunks of hidden outputs).
 // Parts are claimed by whichever thread is free, and every output is one fixed sequence of operations
