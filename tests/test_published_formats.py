@@ -277,3 +277,21 @@ def test_at_tensor_parallel_2_the_same_transformers_tokens(fmt, folders, prompts
     finally:
         engine.close()
     assert [o.token_ids for o in outs] == expected[fmt][:2]
+
+
+def test_for_cuda_the_int4_experts_are_built_for_the_triton_kernels(folders, prompts):
+    """The loader's CUDA branch (no GPU here: built on CPU, whose Int4GroupExperts runs its torch
+    fallback; the kernels themselves are checked under the Triton interpreter in
+    tests/test_triton_quant_linear.py): the same experts, so the same logits as the C++ int4 path's
+    model within bf16 rounding and int8 activations."""
+    from ember.kernels.triton_quant_linear import Int4GroupExperts
+    from ember.model.loader import load_model
+    folder = folders["int4"][0]
+    gpu = load_model(folder, "bfloat16", "q4", device="cuda")
+    moes = [layer.mlp for layer in gpu.model.layers if hasattr(layer.mlp, "fused")]
+    assert moes and all(isinstance(m.fused, Int4GroupExperts) for m in moes)
+    assert any(True for _ in moes[0].fused.buffers())  # (a submodule: .to(device) moves it with the model)
+    exact = load_model(folder, "float32", "dense")
+    from ember.bench.quality import compare_to_reference
+    report = compare_to_reference(exact, {"cuda-layout": gpu}, prompts[:2], 8)["cuda-layout"]
+    assert report["top1_agreement"] >= 0.8 and report["mean_kl"] < 0.01, report

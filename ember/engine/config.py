@@ -7,13 +7,14 @@ model file when it is built (ember.model.files.resolve_serving).
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from ember.config.section import Section
 from ember.model.fetch import DEFAULT_MODEL_PATH
-from ember.model.files import check_pair, resolve_serving
+from ember.model.files import check_pair, int4_folder, resolve_serving
 
 
 class EngineSettings(Section):
@@ -132,7 +133,8 @@ class EngineConfig(EngineSettings):
         # the weights and dtype resolve as everywhere else (ember.config.derived.model_facts, which the
         # router hashes blocks with): the device follows them, never the other way round
         _, resolved_weights = resolve_serving(self.model, self.dtype, self.weights)
-        if resolved_weights == "q4":  # q4's int4 kernels are CPU code
+        # a GGUF's Q4_1 kernels are CPU code; a checkpoint's int4 experts also run on CUDA (Triton)
+        if resolved_weights == "q4" and not int4_folder(Path(self.model)):
             if self.device == "cuda":
                 raise ValueError("weights 'q4' (the default for a Q4_1 GGUF) runs on CPU int4 kernels: on CUDA set "
                                  "weights: dense (dtype: bfloat16 for speed), or device: cpu")

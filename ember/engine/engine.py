@@ -88,7 +88,8 @@ class LLMEngine:
             raise ValueError("pipeline_partition and pipeline_microbatches need pipeline_parallel > 1")
         if parallel and loaded is not None:
             raise ValueError("a tensor-parallel engine loads its own shards: pass no loaded model")
-        self.loaded = loaded or (read_metadata if parallel else load_model)(config.model, config.dtype, config.weights)
+        self.loaded = loaded or (read_metadata(config.model, config.dtype, config.weights) if parallel else
+                                 load_model(config.model, config.dtype, config.weights, device=config.device))
         loaded_dtype = config.dtype if parallel else str(self.loaded.model.norm.weight.dtype).removeprefix("torch.")
         if (self.loaded.weights, loaded_dtype) != (config.weights, config.dtype):
             raise ValueError(f"the model was loaded as weights={self.loaded.weights!r}, dtype={loaded_dtype!r} but "

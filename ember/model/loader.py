@@ -31,11 +31,12 @@ class LoadedModel:
 
 
 def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense", shard=None,
-               layers: tuple[int, int] | None = None) -> LoadedModel:
+               layers: tuple[int, int] | None = None, device: str = "cpu") -> LoadedModel:
     """The model at `path`. shard: a tensor-parallel rank's part (ember.parallel.shard.RankShard): only
     its slices of each tensor are read, and the model has its local shape. layers: a pipeline stage's
     [first, last) decoder layers (renumbered from 0; the embedding read only where a stage embeds or,
-    tied, computes logits). LoadedModel.args stays the whole model's."""
+    tied, computes logits). LoadedModel.args stays the whole model's. device: where the model will run
+    (a checkpoint's int4 experts are built for its kernels: C++ on CPU, Triton on CUDA)."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"model not found: {path} (run `make setup` to fetch the default model)")
@@ -81,7 +82,7 @@ def load_model(path: str | Path, dtype: str = "float32", weights: str = "dense",
         weights_bytes = _use_packed_int4(model, packs, tensors)
     else:
         if int4_experts:
-            weights_bytes += _use_int4_experts(model, args, tensors, checkpoint)
+            weights_bytes += _use_int4_experts(model, args, tensors, checkpoint, device)
         try:
             model.load_hf_state_dict(tensors)
         except MissingTensorError as e:  # named with the stored form it was looked for in
@@ -172,13 +173,24 @@ def _is_routed_expert(name: str) -> bool:
     return ".experts." in name and name.endswith("_proj.weight")
 
 
-def _use_int4_experts(model: LlamaModel, args: ModelArgs, tensors: dict, checkpoint: Checkpoint) -> int:
-    """Give each MoE block its checkpoint's int4 experts on the fused kernel (ember.kernels.cpu_moe:
-    the codes and scales as stored, w = scale * (q - 8)); returns their bytes. The experts' entries
-    are taken out of `tensors`."""
-    from ember.kernels.cpu_moe import use_int4_experts
+def _use_int4_experts(model: LlamaModel, args: ModelArgs, tensors: dict, checkpoint: Checkpoint,
+                      device: str = "cpu") -> int:
+    """Give each MoE block its checkpoint's int4 experts, kept int4: on CPU the fused C++ kernel
+    (ember.kernels.cpu_moe: the codes and scales as stored, w = scale * (q - 8)), on CUDA the grouped
+    Triton kernels (ember.kernels.triton_quant_linear.Int4GroupExperts, moved with the model); returns
+    their bytes. The experts' entries are taken out of `tensors`."""
     from ember.model.checkpoint import PackedInt4
     from ember.model.moe import MoE
+    if device == "cuda":
+        from ember.kernels.triton_quant_linear import Int4GroupExperts
+
+        def use_int4_experts(moe, experts):
+            moe.fused = Int4GroupExperts([[PackedInt4(c, s, 32) for c, s in expert] for expert in experts])
+            moe.packed = None
+            moe.gate_up = nn.Parameter(moe.gate_up.new_empty(0, *moe.gate_up.shape[1:]), requires_grad=False)
+            moe.down = nn.Parameter(moe.down.new_empty(0, *moe.down.shape[1:]), requires_grad=False)
+    else:
+        from ember.kernels.cpu_moe import use_int4_experts
     total = 0
     for i, layer in enumerate(model.layers):
         moe = getattr(layer, "mlp", None)
