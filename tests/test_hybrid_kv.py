@@ -11,9 +11,9 @@ import torch
 from ember.engine.block_manager import FREED, BlockManager, GroupHits, kv_groups
 from ember.engine.config import EngineConfig
 from ember.engine.engine import LLMEngine
+from ember.engine.errors import CapacityError
 from ember.engine.sampling_params import SamplingParams
 from ember.engine.sequence import Sequence
-from ember.engine.errors import CapacityError
 from ember.errors import NotFoundError
 from ember.kv.block_hash import chain_hashes
 from tests.conftest import PROMPTS

@@ -245,13 +245,13 @@ def test_a_latent_moe_model_through_the_disaggregated_cluster_gives_transformers
     the dequantized weights both turns."""
     from transformers import AutoModelForCausalLM
 
+    from ember.bench.published_formats import write_published
     from ember.client import RouterClient
     from ember.cluster.launcher import running
     from ember.cluster.ports import write_local_config
     from ember.kv import wire
     from ember.model.files import layout_of
     from tests.cluster_fixture import decode_span
-    from ember.bench.published_formats import write_published
     kimi, dequantized = write_published(checkpoints["deepseek_v3"], tmp_path / "published", "int4")
     references = {"deepseek_v3": (AutoModelForCausalLM.from_pretrained(dequantized, dtype=torch.float32).eval(), {})}
     config = tmp_path / "cluster.yaml"

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ember.bench.published_formats import FP8_CONFIG, int4_quantization_config, quantize_fp8, write_published
 from ember.engine.config import EngineConfig
 from ember.engine.engine import LLMEngine
 from ember.engine.sampling_params import SamplingParams
@@ -22,7 +23,6 @@ from ember.model.checkpoint import Checkpoint, MissingTensorError, dequantize_fp
 from ember.model.quant_config import QuantizationError, parse_quantization
 from tests.conftest import PROMPTS
 from tests.families import build
-from ember.bench.published_formats import FP8_CONFIG, int4_quantization_config, quantize_fp8, write_published
 
 STEPS = 24
 FORMATS = ("int4", "fp8")

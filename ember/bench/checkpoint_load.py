@@ -52,8 +52,8 @@ def _load(folder: Path, dtype: str, weights: str, reps: int) -> dict:
 
 
 def int4_against_bf16(root: Path, tokenizer_folder: Path, reps: int = 2) -> dict:
-    from ember.bench.random_models import save_random
     from ember.bench.published_formats import write_published
+    from ember.bench.random_models import save_random
     dense = save_random("DeepseekV3Config", FIELDS, root / "dense-bf16", tokenizer_folder, dtype="bfloat16")
     int4, bf16 = write_published(dense, root, "int4")
     base = _baseline_rss_mb()

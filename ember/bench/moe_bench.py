@@ -230,6 +230,11 @@ def main(args) -> int:
                 # the busiest rank's routed tokens over the mean: 1.0 is a perfect balance
                 "ep2_imbalance": round(max(load) / (sum(load) / len(load)), 3) if sum(load) else None}
         result["step"] = step
+    if not quick:
+        progress("a Kimi-format checkpoint (int4 experts) loaded as int4, against its bf16 dequantization")
+        from ember.bench.checkpoint_load import int4_against_bf16
+        with tempfile.TemporaryDirectory() as tmp:
+            result["checkpoint_load"] = int4_against_bf16(Path(tmp), tokenizer)
     result["latent"] = latent_bytes()
     progress("KV of a 4,096-token prompt over the emulated 60 ms / 1 Gbit/s link: latent, expanded")
     result["transfer"] = link_transfer(1024 if quick else 4096, 1 if quick else 3)

@@ -35,7 +35,8 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose KV is in the pool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     block_table: list[int] = field(default_factory=list)
-    group_tables: list[list[int]] = field(default_factory=list)  # the other KV groups' (hybrid allocation: ember.engine.block_manager)
+    # the other KV groups' tables (hybrid allocation: ember.engine.block_manager)
+    group_tables: list[list[int]] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # of full blocks, in order
     finish_reason: str | None = None
     output_text: str = ""
