@@ -65,4 +65,21 @@ def int4_against_bf16(root: Path, tokenizer_folder: Path, reps: int = 2) -> dict
         r["model_rss_mb"] = r["rss_mb"] - base
     return {"baseline_rss_mb": base, "shape": {k: FIELDS[k] for k in ("hidden_size", "num_hidden_layers",
                                                                       "n_routed_experts", "moe_intermediate_size")},
-            "loads": results}
+            "loads": results, "quality": quality(int4)}
+
+
+def quality(int4: Path, prompts: int = 4, steps: int = 16) -> dict:
+    """Teacher-forced next-token distributions of the int4-experts path (and of the bf16 dequantized model,
+    the same weights in bf16) against the exact path (fp32 dequantized): ember.bench.quality."""
+    from ember.bench.agentic_workload import SYSTEM  # (a long text to read: the agent bench's system prompt)
+    from ember.bench.quality import compare_to_reference
+    from ember.model.loader import load_model
+    from ember.model.tokenizer import Tokenizer
+    ids = Tokenizer.from_folder(int4).encode(SYSTEM)
+    cuts = [ids[i * 97 % max(1, len(ids) - 160):][:128] for i in range(prompts)]
+    exact = load_model(int4, "float32", "dense")
+    candidates = {"int4 experts (q4)": load_model(int4, "bfloat16", "q4"),
+                  "bf16 dequantized (dense)": load_model(int4, "bfloat16", "dense")}
+    report = compare_to_reference(exact, candidates, cuts, steps)
+    return {name: {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()
+                   if k != "greedy_match_tokens"} for name, r in report.items()}
