@@ -41,7 +41,7 @@ def folders(tmp_path_factory, model_path):
 def prompts(folders):
     from ember.model.tokenizer import Tokenizer
     tokenizer = Tokenizer.from_folder(folders["int4"][0])
-    return [tokenizer.encode(p) for p in PROMPTS[:4]]
+    return [tokenizer.encode(p) for p in PROMPTS[:4]] + [tokenizer.encode(PROMPTS[-1])[:100]]  # (7 blocks)
 
 
 @pytest.fixture(scope="module")
@@ -295,3 +295,13 @@ def test_for_cuda_the_int4_experts_are_built_for_the_triton_kernels(folders, pro
     from ember.bench.quality import compare_to_reference
     report = compare_to_reference(exact, {"cuda-layout": gpu}, prompts[:2], 8)["cuda-layout"]
     assert report["top1_agreement"] >= 0.8 and report["mean_kl"] < 0.01, report
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_from_a_cached_prefix_the_same_transformers_tokens(fmt, folders, prompts, expected):
+    engine = engine_for(folders[fmt][0])
+    ids = prompts[-1]
+    engine.generate([ids[:64]], SamplingParams(max_tokens=2, ignore_eos=True))  # caches 4 blocks of it
+    [out] = engine.generate([ids], greedy())
+    assert out.cached_tokens == 64
+    assert out.token_ids == expected[fmt][-1]
