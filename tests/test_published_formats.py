@@ -305,3 +305,17 @@ def test_from_a_cached_prefix_the_same_transformers_tokens(fmt, folders, prompts
     [out] = engine.generate([ids], greedy())
     assert out.cached_tokens == 64
     assert out.token_ids == expected[fmt][-1]
+
+
+def test_q4_by_default_only_where_the_routed_experts_are_stored_int4(folders, tmp_path):
+    """A checkpoint whose config declares int4 but whose experts are not stored packed (say, all in the
+    ignore list) serves dense by default rather than being refused at start."""
+    from ember.model.files import int4_folder, resolve_serving
+    assert int4_folder(folders["int4"][0]) and not int4_folder(folders["fp8"][0])
+    dense_experts = tmp_path / "int4-config-dense-experts"
+    shutil.copytree(folders["int4"][1], dense_experts)  # the dequantized weights, all stored dense
+    config = json.loads((folders["int4"][0] / "config.json").read_text())
+    config["quantization_config"]["ignore"].append("re:.*experts.*")
+    (dense_experts / "config.json").write_text(json.dumps(config))
+    assert not int4_folder(dense_experts)
+    assert resolve_serving(dense_experts) == ("float32", "dense")

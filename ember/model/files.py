@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import struct
 from pathlib import Path
 
 CONVERTER_VERSION = 2  # of the GGUF load cache (ember.model.gguf_convert); 2: ember.json records layer_types
@@ -140,11 +141,27 @@ def checkpoint_scheme(path: Path):
 
 
 def int4_folder(path: Path) -> bool:
-    """Whether an HF folder's weights are int4 in groups of 32 (Kimi K2.5's experts), which Ember's int4
-    kernels serve as they are (weights "q4")."""
+    """Whether an HF folder's routed experts are stored int4 in groups of 32 (Kimi K2.5's), which Ember's
+    int4 MoE kernels serve as they are (weights "q4"). Other int4 linears (a W4A16 dense model) are
+    dequantized: not this."""
     from ember.model.quant_config import PackedInt
     scheme = checkpoint_scheme(path)
-    return isinstance(scheme, PackedInt) and scheme.num_bits == 4 and scheme.group_size == 32
+    if not (isinstance(scheme, PackedInt) and scheme.num_bits == 4 and scheme.group_size == 32):
+        return False
+    return any(".experts." in name and name.endswith(".weight_packed") for name in stored_tensor_names(path))
+
+
+def stored_tensor_names(folder: Path) -> list[str]:
+    """The tensor names a safetensors checkpoint folder stores (its index, or its files' headers)."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        return list(json.loads(index.read_text())["weight_map"])
+    names = []
+    for file in sorted(folder.glob("*.safetensors")):
+        with open(file, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            names += [n for n in json.loads(f.read(length)) if n != "__metadata__"]
+    return names
 
 
 def is_q4_1_gguf(path: Path) -> bool:

@@ -217,8 +217,8 @@ class TensorParallelRunner(ParallelRunner):
     @torch.inference_mode()
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
         """[L, 2, n, block_size, Hkv, D]: the blocks in the whole-model layout."""
-        if self.replicated_cache:
-            return self.me.cache.kv[:, :, block_ids]
+        if self.replicated_cache:  # (on the host, as the gathered branch's parts are: a CUDA pool's blocks copied)
+            return self.me.cache.kv[:, :, block_ids].cpu()
         with self.group.failing():
             self.group.send("export", block_ids, self._heads_width)
             parts = self.me.export(block_ids, self._heads_width)
