@@ -58,7 +58,7 @@ def install_credentials(config: ClusterConfig, role: str, site: str | None, work
     creds = security.Credentials.load(settings.tls_dir)
     if creds.identity.role != role or creds.identity.site != site:
         raise ValueError(f"{settings.tls_dir}/tls.crt is {creds.identity}'s certificate, not {name}'s")
-    security.install(creds)
+    security.install(security.require_kv_mac(creds, settings.kv_mac))  # (fails closed: no kv-mac.key)
 
 
 def tokenizer(config: ClusterConfig):

@@ -370,6 +370,11 @@ class SecuritySection(Section):
     tls_dir: str | None = Field(None, description="files: each service's folder of ca.crt, tls.crt, tls.key (and "
                                                   "kv-mac.key for prefill and decode); `{name}` stands for the "
                                                   "service's name; EMBER_TLS_DIR overrides it")
+    kv_mac: Literal["required", "off"] = Field(
+        "required", description="with TLS on, prefill and decode sign and verify every KV frame with the "
+                                "kv-mac.key in their TLS folder (`ember up` and `ember certs` write it); required: "
+                                "a missing one is a start-up error; off: run without it, KV frames unsigned and "
+                                "imported unchecked (a warning at start). plaintext never signs")
     metrics: MetricsAuthSection = Field(MetricsAuthSection(), description="who may scrape each service's "
                                                                           "/metrics")
 

@@ -100,6 +100,7 @@ class SecuritySettings:
     tls_dir: str | None      # this service's folder (ca.crt, tls.crt, tls.key[, kv-mac.key]); None: plaintext
     metrics_auth: str = "none"            # who may scrape its /metrics: mtls, token, none
     metrics_token_file: str | None = None  # token: the file holding the bearer token
+    kv_mac: str = "required"               # a KV producer's missing kv-mac.key: a start-up error, or off (allowed)
 
 
 def kvstore_settings(config: ClusterConfig, site_name: str) -> KVStoreSettings:
@@ -225,7 +226,8 @@ def security_settings(config: ClusterConfig, service_name: str, env: dict | None
         raise ValueError(f"{service_name}: security.tls is {sec.tls!r} but no certificates are known: `ember up` "
                          "makes them (auto), or set security.tls_dir / EMBER_TLS_DIR to a folder of ca.crt, tls.crt "
                          "and tls.key (`ember certs` writes one per service), or say `security: {tls: plaintext}`")
-    return SecuritySettings(sec.tls, str((config._base / folder.replace("{name}", service_name)).resolve()), *metrics)
+    return SecuritySettings(sec.tls, str((config._base / folder.replace("{name}", service_name)).resolve()), *metrics,
+                            kv_mac=sec.kv_mac)
 
 
 def service_settings(config: ClusterConfig, role: str, site: str | None = None, worker: int = 0) -> dict:

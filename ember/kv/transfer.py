@@ -15,11 +15,14 @@ stores it raw, so a damaged block is never filed. With the cluster's credentials
 (ember.rpc.security) the connection is mutual TLS and the server serves only peers whose
 certificate names an allowed role (kvstores); without, it is plain TCP. The sender pins the blocks for the life of
 the connection, and abandons a receiver that takes nothing for `stall_s` (a blackholed or
-frozen peer), so no pin outlives a dead transfer by more than that.
+frozen peer), so no pin outlives a dead transfer by more than that. Every connection the server
+drops is logged with its peer and reason and reported to `refused(reason)` (the kvstore counts
+them: ember:kv_frames_refused_total{reason}); REFUSALS lists the reasons.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 import socket
 import ssl
 import struct
@@ -37,6 +40,18 @@ _REQUEST = struct.Struct("<4sBxxxI")
 _HEADER = struct.Struct(f"<{HASH_BYTES}sQ")
 
 
+log = logging.getLogger("ember.kv")
+
+REFUSALS = {
+    "unauthorized": "the peer's certificate names no role allowed here",
+    "bad_magic": "not an EKV2 request",
+    "unknown_codec": "a codec this kvstore does not know",
+    "truncated": "the request was cut short",
+    "bad_frame": "a stored frame could not be re-encoded",
+    "stalled": "the receiver took nothing for stall_s",
+}
+
+
 class BlockMissing(NotFoundError):
     """The peer does not hold a requested block (evicted, or never stored)."""
 
@@ -45,14 +60,20 @@ STALL_S = 60.0
 
 
 async def serve(host: str, port: int, pinned: Callable, stall_s: float = STALL_S,
-                tls: ssl.SSLContext | None = None, authorize: Callable[[dict], bool] = lambda peercert: True
-                ) -> asyncio.AbstractServer:
+                tls: ssl.SSLContext | None = None, authorize: Callable[[dict], bool] = lambda peercert: True,
+                refused: Callable[[str], None] = lambda reason: None) -> asyncio.AbstractServer:
     """`pinned(hashes)` is a context manager giving frames (None if missing) that stay
     valid while it is held (BlockStore.pinned). A receiver that accepts no bytes for
     `stall_s` is cut off (its pins released). With `tls` (a server context that requires
-    client certificates), only peers whose certificate `authorize(peercert)` accepts are served."""
+    client certificates), only peers whose certificate `authorize(peercert)` accepts are served.
+    Each connection dropped for one of REFUSALS is logged (peer, reason) and passed to `refused`."""
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        def refuse(reason: str, detail: str = "") -> None:
+            log.warning("data plane: dropped %s: %s (%s)%s", _peer(writer), reason, REFUSALS[reason],
+                        f": {detail}" if detail else "")
+            refused(reason)
         if tls is not None and not authorize(writer.get_extra_info("peercert")):
+            refuse("unauthorized")
             writer.transport.abort()
             return
         async def drained():  # TimeoutError once the receiver takes nothing for stall_s
@@ -63,10 +84,14 @@ async def serve(host: str, port: int, pinned: Callable, stall_s: float = STALL_S
                 except TimeoutError:
                     if writer.transport.get_write_buffer_size() >= queued:
                         raise
+        head = b""
         try:
-            magic, codec_id, count = _REQUEST.unpack(await reader.readexactly(_REQUEST.size))
-            if magic != MAGIC or codec_id not in codec.NAMES:
-                return
+            head = await reader.readexactly(_REQUEST.size)
+            magic, codec_id, count = _REQUEST.unpack(head)
+            if magic != MAGIC:
+                return refuse("bad_magic", repr(magic))
+            if codec_id not in codec.NAMES:
+                return refuse("unknown_codec", str(codec_id))
             raw = await reader.readexactly(count * HASH_BYTES)
             hashes = [raw[i:i + HASH_BYTES] for i in range(0, len(raw), HASH_BYTES)]
             with pinned(hashes) as frames:  # no slot is reused while its bytes go out
@@ -84,12 +109,26 @@ async def serve(host: str, port: int, pinned: Callable, stall_s: float = STALL_S
                     await encoded.close()  # no encode outlives the pins it reads
                 await drained()
         except TimeoutError:
+            refuse("stalled", f"{stall_s:g} s")
             writer.transport.abort()  # drop what is still queued: it may be a view of a slot unpinned now
-        except (asyncio.IncompleteReadError, ConnectionError, wire.FrameError):
-            pass
+        except asyncio.IncompleteReadError as e:
+            if head or e.partial:  # (closed before its first byte: a port probe, not refused)
+                refuse("truncated", f"{len(head) + len(e.partial)} of {len(head) + e.expected} bytes")
+        except wire.FrameError as e:
+            refuse("bad_frame", str(e))
+        except ConnectionError as e:  # the receiver left (it gave up, or died): not a refusal
+            log.debug("data plane: %s left mid-transfer: %s", _peer(writer), e)
         finally:
             writer.close()
     return await asyncio.start_server(handle, host, port, ssl=tls)
+
+
+def _peer(writer: asyncio.StreamWriter) -> str:
+    """host:port, and the SAN URIs of its certificate on a TLS connection."""
+    name = writer.get_extra_info("peername")
+    where = f"{name[0]}:{name[1]}" if isinstance(name, tuple) and len(name) >= 2 else str(name)
+    uris = [v for k, v in (writer.get_extra_info("peercert") or {}).get("subjectAltName", ()) if k == "URI"]
+    return where + (f" ({', '.join(uris)})" if uris else "")
 
 
 class _Encoder:

@@ -74,6 +74,9 @@ KV_PULL_SECONDS = Counter("ember:kvstore_pull_seconds", "Seconds spent pulling f
                           ["link"])
 KV_PULL_THROUGHPUT = Histogram("ember:kvstore_pull_throughput_bytes_per_second", "Throughput of pulls",
                                buckets=(1e7, 5e7, 1e8, 2.5e8, 5e8, 1e9, 2e9, 4e9, 8e9))
+KV_FRAMES_REFUSED = Counter("ember:kv_frames_refused", "Connections the TCP data plane dropped, by reason "
+                            "(ember.kv.transfer.REFUSALS): unauthorized, bad_magic, unknown_codec, truncated, "
+                            "bad_frame, stalled", ["reason"])
 
 
 class _StoreCollector:

@@ -7,15 +7,18 @@ and tests), and servers authorize calls by that identity (ember.rpc.authz).
 
 A service folder (what `ember certs` / `ember up` writes, or a mounted Kubernetes Secret in
 cert-manager's layout) holds ca.crt, tls.crt, tls.key and, for the KV producers (prefill,
-decode) only, kv-mac.key: the cluster secret that keys every KV frame's MAC.
+decode) only, kv-mac.key: the cluster secret that keys every KV frame's MAC. With TLS on, a
+producer without it fails closed (`require_kv_mac`) unless the config opts out (`security:
+{kv_mac: off}`): a forged frame would otherwise be imported unchecked into an engine's cache.
 
 `install()` runs once at a process's edge (services/common.py, the engine core); with nothing
 installed (`security: {tls: plaintext}`) every hop is plaintext and nothing is authorized.
 """
 from __future__ import annotations
 
+import logging
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
@@ -23,6 +26,8 @@ import grpc
 SPIFFE_PREFIX = "spiffe://ember/"
 ROLES = ("router", "prefill", "decode", "kvstore", "operator")
 DATA_PLANE_CIPHERS = "ECDHE-ECDSA-AES128-GCM-SHA256"
+KV_PRODUCERS = ("prefill", "decode")  # they hold kv-mac.key: they sign the KV frames they export, verify imports
+MAC_KEY_FILE = "kv-mac.key"
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class Credentials:
     key_pem: bytes
     mac_key: bytes | None  # only the KV producers hold it
     identity: Identity
+    unsigned_kv: bool = False  # a producer without mac_key that the config let run (`security: {kv_mac: off}`)
 
     @classmethod
     def load(cls, folder: str | Path) -> Credentials:
@@ -66,7 +72,7 @@ class Credentials:
         identity = identity_of_pem(cert_pem)
         if identity is None:
             raise ValueError(f"{folder}/tls.crt names no Ember identity (a SAN URI {SPIFFE_PREFIX}<role>[/<site>])")
-        mac = folder / "kv-mac.key"
+        mac = folder / MAC_KEY_FILE
         return cls(folder, (folder / "ca.crt").read_bytes(), cert_pem, (folder / "tls.key").read_bytes(),
                    mac.read_bytes() if mac.is_file() else None, identity)
 
@@ -99,6 +105,23 @@ class Credentials:
         ctx.set_ciphers(DATA_PLANE_CIPHERS)
         ctx.load_verify_locations(cadata=self.ca_pem.decode())
         ctx.load_cert_chain(self.folder / "tls.crt", self.folder / "tls.key")
+
+
+def require_kv_mac(creds: Credentials, kv_mac: str) -> Credentials:
+    """Fail closed on a KV producer's missing MAC key: FileNotFoundError naming the file and the
+    opt-out, unless `kv_mac` (security.kv_mac) is "off", which lets it run with unsigned frames
+    (a warning; the returned credentials say so, and the engine core is told: `unsigned_kv`)."""
+    if creds.identity.role not in KV_PRODUCERS or creds.mac_key is not None:
+        return creds
+    path = creds.folder / MAC_KEY_FILE
+    if kv_mac != "off":
+        raise FileNotFoundError(
+            f"{path}: missing. With TLS on, {creds.identity.role} signs and verifies every KV frame with this "
+            "cluster secret (`ember up` makes it with `tls: auto`; `ember certs --force` writes it for `tls: "
+            "files`); to run without it, KV frames unsigned and imported unchecked, say `security: {kv_mac: off}`")
+    logging.getLogger("ember.security").warning(
+        "%s: missing and `security.kv_mac: off`: KV frames go unsigned and are imported unchecked", path)
+    return replace(creds, unsigned_kv=True)
 
 
 def identity_of_pem(cert_pem: bytes) -> Identity | None:

@@ -51,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kvstore", help="the site kvstore's gRPC address (L2, KV transfers)")
     p.add_argument("--no-shm", action="store_true", help="read frames over gRPC even on the same host")
     p.add_argument("--tls-dir", help="the service's TLS folder (ember.rpc.security): mTLS to the kvstore")
+    p.add_argument("--unsigned-kv", action="store_true",
+                   help="the config's `security: {kv_mac: off}`: run without kv-mac.key (else its absence fails)")
     p.add_argument("--route", action="append", default=[], metavar="ADDRESS=RELAY",
                    help="reach another site's kvstore ADDRESS through RELAY (an emulated link)")
     p.add_argument("--trace-service", help="the service's name: this core's spans are its (ember.rpc.tracing)")
@@ -66,14 +68,15 @@ def main(argv: list[str] | None = None) -> int:
         tracing.setup(args.trace_service, "engine-core")
     phases = [("started", time.monotonic())]
     try:
+        values = json.loads(args.config)  # (what is wrong with the command line fails before the imports)
+        if args.tls_dir:  # fails closed on a missing kv-mac.key, as its service did (unless opted out)
+            from ember.rpc import security
+            security.install(security.require_kv_mac(security.Credentials.load(args.tls_dir),
+                                                     "off" if args.unsigned_kv else "required"))
         from ember.engine.config import EngineConfig
         from ember.engine.engine import LLMEngine
         from ember.serving.engine_core import EngineCore
         from ember.serving.messages import CoreInfo
-        if args.tls_dir:
-            from ember.rpc import security
-            security.install(security.Credentials.load(args.tls_dir))
-        values = json.loads(args.config)
         phases.append(("imports", time.monotonic()))
         if args.kvstore:  # a model missing here (an empty cache) is fetched through the site kvstore first
             from ember.rpc import model_fetch, security
@@ -86,9 +89,6 @@ def main(argv: list[str] | None = None) -> int:
             from ember.rpc import security
             from ember.rpc.kv_connector import KVConnector
             creds = security.current()  # the KV frame MAC key is read here, at the edge, and passed down
-            if creds is not None and creds.mac_key is None:
-                logging.getLogger("ember.engine").warning(
-                    "%s holds no kv-mac.key: KV frames go unsigned and are imported unchecked", creds.folder)
             from ember.cluster.wan import parse_routes
             connector = KVConnector(args.kvstore, engine.frame_template, use_shm=not args.no_shm,
                                     mac_key=creds.mac_key if creds is not None else None,
@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
         info = CoreInfo(os.getpid(), engine.config.block_size, engine.block_manager.root_hash,
                         engine.loaded.args.vocab_size, engine.max_model_len, list(engine.kernels), core.memory())
     except Exception as e:  # noqa: BLE001 - reported to the service, which fails its start-up
-        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        import traceback  # the whole traceback goes to the service's log; users see the one line
+        conn.send(("failed", f"{type(e).__name__}: {e}", traceback.format_exc()))
         return 1
     phases.append(("connector", time.monotonic()))
     hold_ready_until_exists(os.environ.get("EMBER_TEST_CORE_READY_GATE"))

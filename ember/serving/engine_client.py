@@ -293,6 +293,7 @@ class SubprocessEngineClient(EngineClient):
         from ember.rpc import security
         if security.current() is not None:  # the core dials the kvstore as this service
             args += ["--tls-dir", str(security.current().folder)]
+            args += ["--unsigned-kv"] if security.current().unsigned_kv else []
         template = os.environ.get("EMBER_ENGINE_TEMPLATE")
         process = None
         if template:  # forked from a warm interpreter (ember.serving.template), else a fresh one
@@ -320,7 +321,7 @@ class SubprocessEngineClient(EngineClient):
             raise RuntimeError(f"the engine core exited during start-up (code {process.returncode})") from None
         if first[0] != "ready":
             process.wait(timeout=10)
-            raise RuntimeError(f"the engine core failed to start: {first[1]}")
+            raise RuntimeError(start_failure(first))
         return cls(process, conn, first[1], on_death)
 
     def _read(self) -> None:
@@ -356,6 +357,15 @@ class SubprocessEngineClient(EngineClient):
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait(timeout=10)
+
+
+def start_failure(message: tuple) -> str:
+    """The one line a core's ("failed", "Type: message"[, traceback]) start-up report becomes; the
+    traceback (the core's own frames: where it failed) goes whole to this service's log first."""
+    summary = " | ".join(line.strip() for line in str(message[1]).splitlines() if line.strip())
+    if len(message) > 2 and message[2]:
+        log.error("the engine core failed to start; its traceback:\n%s", str(message[2]).rstrip())
+    return f"the engine core failed to start: {summary}"
 
 
 def rebuild_error(info: ErrorInfo) -> BaseException:

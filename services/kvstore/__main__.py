@@ -49,7 +49,8 @@ async def main(args) -> None:
         host, port = bind_address(s.data_listen).rsplit(":", 1)
         data_server = await transfer.serve(  # over mTLS, blocks stream only to the cluster's kvstores
             host, int(port), store.pinned, tls=None if creds is None else data_plane_tls(creds),
-            authorize=lambda peercert: security.peer_has_role(peercert, {"kvstore"}))
+            authorize=lambda peercert: security.peer_has_role(peercert, {"kvstore"}),
+            refused=lambda reason: metrics.KV_FRAMES_REFUSED.labels(reason).inc())  # (each also logged)
     try:  # (rediss:// and the kvstores' ACL user when configured: ember.kv.redis_client)
         directory = open_directory(s.directory, s.directory_ttl_s, s.redis)
     except ValueError as e:  # its Redis password cannot be read
