@@ -75,6 +75,58 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"
 
 
+# A downstream (service-to-service) status as the router answers its public callers: the code
+# the router owns for it and a generic message (the downstream text stays in the router's log:
+# it names internal addresses, workers and, for an authorization failure, the service identity).
+# A worker that is gone (UNAVAILABLE, CANCELLED, UNKNOWN: the router retries those first) is
+# UNAVAILABLE; an internal UNAUTHENTICATED / PERMISSION_DENIED is the cluster's misconfiguration,
+# never the caller's credentials: INTERNAL (HTTP 500), as vLLM's and Dynamo's frontends answer an
+# engine failure that is not the client's (503 would call a lasting fault a passing overload; and
+# a 401 would tell the client its key is wrong). A worker's INVALID_ARGUMENT / OUT_OF_RANGE is
+# about the request the router relayed: still the client's 400, with a generic message.
+_WORKER_GONE = "a worker serving this request failed; retry"
+DOWNSTREAM = {
+    grpc.StatusCode.UNAVAILABLE: (grpc.StatusCode.UNAVAILABLE, _WORKER_GONE),
+    grpc.StatusCode.CANCELLED: (grpc.StatusCode.UNAVAILABLE, _WORKER_GONE),
+    grpc.StatusCode.UNKNOWN: (grpc.StatusCode.UNAVAILABLE, _WORKER_GONE),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (grpc.StatusCode.DEADLINE_EXCEEDED,
+                                        "the request's deadline passed before it finished"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                         "the workers have no room for this request now; retry later"),
+    grpc.StatusCode.INVALID_ARGUMENT: (grpc.StatusCode.INVALID_ARGUMENT, "a worker refused this request as invalid"),
+    grpc.StatusCode.OUT_OF_RANGE: (grpc.StatusCode.INVALID_ARGUMENT, "a worker refused this request as invalid"),
+}
+INTERNAL_MESSAGE = "internal error: the server failed to answer this request"
+# What the router's own exceptions (not RpcError) may tell a public caller in their own words:
+# the request's fault (its validation, a model it does not serve) or its capacity.
+_OWN_WORDS = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+
+def public_error(exc: BaseException, retry_after_s: float | None = None, request_id: str = "") -> RpcError:
+    """`exc`, raised while a public edge (the router's Generate, its HTTP API) served a request, as
+    the error its caller gets. An RpcError is the router's own answer (its API-key check, quotas,
+    validation): unchanged. A downstream call's status maps by DOWNSTREAM (else INTERNAL), with a
+    generic message; any other exception keeps status_for's code, and its message only when that is
+    the request's fault (_OWN_WORDS): anything else is a bug, INTERNAL with a generic message (the
+    caller logs `exc`, traceback and all: the result is raised `from exc`). `retry_after_s` goes
+    with a RESOURCE_EXHAUSTED; `request_id`, when known, is named so a caller can quote it."""
+    if isinstance(exc, RpcError):
+        return exc
+    if isinstance(exc, grpc.aio.AioRpcError):
+        code, message = DOWNSTREAM.get(exc.code(), (grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE))
+    else:
+        code, message = status_for(exc)
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            message = DOWNSTREAM[code][1]
+        elif code == grpc.StatusCode.UNAVAILABLE:
+            message = _WORKER_GONE
+        elif code not in _OWN_WORDS:
+            code, message = grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
+    if code == grpc.StatusCode.INTERNAL and request_id:
+        message += f" (request id {request_id}; the router logged the cause)"
+    return RpcError(code, message, retry_after_s if code == grpc.StatusCode.RESOURCE_EXHAUSTED else None)
+
+
 class _Undecodable:
     """What a request that is not a valid message of its type deserializes to: the handler then
     answers INVALID_ARGUMENT (gRPC itself would answer UNKNOWN)."""

@@ -40,7 +40,10 @@ TENANT_THROTTLED = Counter("ember:tenant_throttled", "Requests refused at admiss
 TENANT_TTFT = Histogram("ember:tenant_time_to_first_token_seconds", "Time to first token, by tenant", ["tenant"],
                         buckets=_LATENCY)
 # every service
-RPC_ERRORS = Counter("ember:request_errors", "Calls that ended in an error, by gRPC status", ["method", "code"])
+RPC_ERRORS = Counter("ember:request_errors", "Calls that ended in an error: gRPC calls by method (/package.Service/"
+                     "Method) and status name; the router's HTTP API by route ('POST /v1/chat/completions') and "
+                     "HTTP status ('503'), a failure after an SSE answer started under the status it would have had",
+                     ["method", "code"])
 # engine services (prefill, decode)
 RUNNING = Gauge("ember:num_requests_running", "Sequences in the running batch, and finished ones whose answer waits "
                 "on its KV write-back (prefill's)")

@@ -28,12 +28,20 @@ sent), an error is one event `data: {"error": {...}}`, the same message, type an
 `code` the named code above or, where there is none, the HTTP status the error would have had, as
 a string ("503", "400"); then `data: [DONE]` and the stream ends (as vLLM does; the openai client
 raises APIError on the error event). An unknown route or method is OpenAI's 404/405 body too.
+
+Every request gets an id (the X-Request-Id header of its answer, the log context's request id, the
+GenerateRequest's, and the body's `chatcmpl-ID`). Every failure is one log line (status, type and
+message; a 500 from an exception with its traceback) and one count in ember:request_errors by route
+and HTTP status. What a caller reads is the router's public error (ember.rpc.errors.public_error):
+a downstream status and text never reach it; an internal error says only that, and the request id.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import logging
 import math
 import os
 import time
@@ -44,9 +52,9 @@ from aiohttp import web
 from opentelemetry.instrumentation.aiohttp_server import AioHttpServerInstrumentor
 from pydantic import ValidationError
 
-from ember.rpc import validate
+from ember.rpc import logs, metrics, validate
 from ember.rpc.cert_reload import CertSource, watch
-from ember.rpc.errors import status_for
+from ember.rpc.errors import INTERNAL_MESSAGE, public_error
 from ember.rpc.server import bind_address
 from ember.services.router import public_auth
 from ember.services.router.auth import ANONYMOUS, Authenticated, KeyTable
@@ -83,6 +91,20 @@ MAX_BODY_BYTES = validate.MAX_TEXT_BYTES + 2**20
 # Routes open without an API key (load balancers and orchestrators probe them).
 OPEN_PATHS = frozenset({"/health"})
 TENANT = web.RequestKey("tenant", str)  # the caller's, once its key is checked
+REQUEST_ID = web.RequestKey("request_id", str)  # every request's, also sent back as X-Request-Id
+STREAM = web.RequestKey("stream", web.StreamResponse)  # an SSE answer once started (its status is sent)
+FAILURE = "ember_failure"  # on a response: the Failure it answers (read by _observe)
+log = logging.getLogger("ember.router.http")
+
+
+@dataclasses.dataclass
+class Failure:
+    """What an error answer said (its HTTP status, OpenAI type and message), for the log line and
+    the error metric; `error`, when an exception caused it, logged with its traceback (a 500)."""
+    status: int
+    kind: str
+    message: str
+    error: BaseException | None = None
 
 
 def error_body(message: str, kind: str, param: str | None = None, code: str | None = None) -> dict:
@@ -95,7 +117,9 @@ def error_response(status: int, kind: str, message: str, param: str | None = Non
     headers = dict(headers or {})
     if retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
-    return web.json_response(error_body(message, kind, param, code), status=status, headers=headers or None)
+    response = web.json_response(error_body(message, kind, param, code), status=status, headers=headers or None)
+    response[FAILURE] = Failure(status, kind, message)
+    return response
 
 
 def openai_error(code: grpc.StatusCode, message: str) -> tuple[int, str, str | None, str | None]:
@@ -125,6 +149,55 @@ def stream_error(code: grpc.StatusCode, message: str) -> dict:
 
 def validation_error_response(error: ValidationError) -> web.Response:
     return error_response(400, "invalid_request_error", *invalid_request(error), code=invalid_request_code(error))
+
+
+def _route(request: web.Request) -> str:
+    """The error metric's `method` label: METHOD and route of a served route (gRPC's are
+    /package.Service/Method); anything else one value (a path a client made up is no label)."""
+    resource = request.match_info.route.resource
+    return f"{request.method} {resource.canonical}" if resource is not None else "HTTP (no route)"
+
+
+def _record(request: web.Request, failure: Failure) -> None:
+    """Every failed HTTP request: one log line (its request id in the JSON log's `request_id`, the
+    status and error type in the message; a 500 from an exception with its traceback) and one count
+    in ember:request_errors, by route and HTTP status."""
+    metrics.RPC_ERRORS.labels(_route(request), str(failure.status)).inc()
+    line = "%s %s -> HTTP %d %s: %s"
+    args = (request.method, request.path, failure.status, failure.kind, failure.message)
+    if failure.error is not None and failure.status >= 500:
+        log.error(line, *args, exc_info=failure.error)
+    else:
+        log.log(logging.WARNING if failure.status >= 500 else logging.INFO, line, *args)
+
+
+@web.middleware
+async def _observe(request: web.Request, handler):
+    """The outermost middleware: gives the request its id (the log context's, the X-Request-Id
+    header's, and the answer's), records every failure (_record) and turns an exception no handler
+    answered into OpenAI's 500 with a generic message (its traceback logged, never sent)."""
+    request_id = uuid.uuid4().hex
+    request[REQUEST_ID] = request_id
+    logs.request_id.set(request_id)
+    try:
+        response = await handler(request)
+    except (web.HTTPException, asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:  # noqa: BLE001 - a bug: logged, counted, answered as a 500
+        if STREAM in request:  # the status went out already: the connection is dropped
+            _record(request, Failure(500, "server_error", INTERNAL_MESSAGE, e))
+            raise
+        response = error_response(500, "server_error", f"{INTERNAL_MESSAGE} (request id {request_id})")
+        response[FAILURE].error = e
+    failure = response.get(FAILURE)
+    if failure is not None:
+        _record(request, failure)
+    return response
+
+
+async def _request_id_header(request: web.Request, response: web.StreamResponse) -> None:
+    if REQUEST_ID in request:
+        response.headers["X-Request-Id"] = request[REQUEST_ID]
 
 
 @web.middleware
@@ -210,11 +283,14 @@ def _sampling(body: GenerationRequest) -> common_pb2.SamplingParams:
 
 
 def choice_requests(pb: router_pb2.GenerateRequest, n: int) -> list[router_pb2.GenerateRequest]:
-    """`n` requests for `n` choices: choice i samples with seed + i (reproducible when a seed is given)."""
+    """`n` requests for `n` choices: choice i samples with seed + i (reproducible when a seed is given)
+    and, past the first, has request id ID-i (each is its own sequence at the workers)."""
     requests = [pb]
     for i in range(1, n):
         other = router_pb2.GenerateRequest()
         other.CopyFrom(pb)
+        if pb.request_id:
+            other.request_id = f"{pb.request_id}-{i}"
         if pb.sampling.HasField("seed"):
             other.sampling.seed = (pb.sampling.seed + i) % 2**63
         requests.append(other)
@@ -236,7 +312,8 @@ class OpenAIApp:
     def __init__(self, service, timeout_s: float = 600.0, keys: KeyTable | None = None):
         self.service, self.timeout_s = service, timeout_s
         self.app = _traced_app()
-        self.app.middlewares.extend((_http_errors, _authentication(keys or KeyTable())))
+        self.app.middlewares.extend((_observe, _http_errors, _authentication(keys or KeyTable())))
+        self.app.on_response_prepare.append(_request_id_header)
         self.app.add_routes([web.get("/v1/models", self.models), web.post("/v1/chat/completions", self.chat),
                              web.post("/v1/completions", self.completions), web.get("/health", self.health)])
 
@@ -312,10 +389,12 @@ class OpenAIApp:
                                   f"{MAX_BODY_BYTES} bytes, the most this server accepts")
         except ValidationError as e:
             return validation_error_response(e)
-        requests = choice_requests(build(body), body.n)
+        pb = build(body)
+        pb.request_id = http[REQUEST_ID]  # the router's and the workers' logs name it too
+        requests = choice_requests(pb, body.n)
         model_name = requests[0].model
         stream, include_usage = body.stream, body.include_usage
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        rid = ("chatcmpl-" if chat else "cmpl-") + http[REQUEST_ID]
         created = int(time.time())
         contexts = [_Deadline(self.timeout_s, http[TENANT]) for _ in requests]
         choices = [Choice(i, chat, getattr(self.service, "tokenizer", None), body.engine_logprobs is not None)
@@ -328,6 +407,7 @@ class OpenAIApp:
                         response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                                "Cache-Control": "no-cache"})
                         await response.prepare(http)
+                        http[STREAM] = response
                     if stream and chat and not choices[i].started:  # OpenAI's first chunk of a choice: its role
                         await self._send(response, self._chunk(rid, created, model_name, chat,
                                                                [choices[i].first_chunk()]))
@@ -337,9 +417,16 @@ class OpenAIApp:
         except ConnectionResetError:  # the client went away mid-stream: its choices are stopped (aclosing)
             return response
         except Exception as e:  # noqa: BLE001 - every failure becomes an OpenAI-shaped error
-            code, message = status_for(e)
+            # the router's own error as it stands (RouterService.Generate made it public); anything
+            # else (a bug here, a stand-in's exception) is made public now: no internal text leaves
+            error = public_error(e, request_id=http[REQUEST_ID])
+            code, message = error.code, str(error)
+            cause = e if code == grpc.StatusCode.INTERNAL else None
             if response is None:
-                return grpc_error_response(code, message, getattr(e, "retry_after_s", None))
+                answer = grpc_error_response(code, message, error.retry_after_s)
+                answer[FAILURE].error = cause
+                return answer
+            self._failed_stream(response, code, message, cause)
             try:
                 await self._send(response, stream_error(code, message))
                 await response.write(b"data: [DONE]\n\n")
@@ -353,6 +440,7 @@ class OpenAIApp:
                              else (grpc.StatusCode.UNAVAILABLE, "the answer ended before it finished; retry"))
             if response is None:
                 return grpc_error_response(code, message, refused.retry_after_s() if refused is not None else None)
+            self._failed_stream(response, code, message)
             await self._send(response, stream_error(code, message))
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()
@@ -369,6 +457,13 @@ class OpenAIApp:
         return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
                                   "created": created, "model": model_name or self.service.model_id,
                                   "choices": [c.choice() for c in choices], "usage": usage})
+
+    @staticmethod
+    def _failed_stream(response: web.StreamResponse, code: grpc.StatusCode, message: str,
+                       cause: BaseException | None = None) -> None:
+        """Marks a started SSE answer as failed with the status its error would have had (for _observe)."""
+        status, kind, _, _ = openai_error(code, message)
+        response[FAILURE] = Failure(status, kind, message, cause)
 
     def _chunk(self, rid: str, created: int, model: str, chat: bool, pieces: list[dict]) -> dict:
         return {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": created,

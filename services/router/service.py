@@ -25,17 +25,18 @@ import time
 import uuid
 
 import grpc
-from jinja2.exceptions import TemplateError
+from jinja2.exceptions import TemplateError, TemplateSyntaxError
 
 from ember.engine import constraints
 from ember.engine.sampling_params import Constraint
+from ember.errors import InvalidRequestError
 from ember.kv.block_hash import chain_hashes
 from ember.kv.directory import BlockDirectory
 from ember.model.tokenizer import Tokenizer
 from ember.placement.policy import Load, NoCapacity, Placer, Request
 from ember.rpc import logs, metrics, tracing, validate
 from ember.rpc.convert import sampling_from_pb, sampling_to_pb
-from ember.rpc.errors import RpcError, refuse
+from ember.rpc.errors import DOWNSTREAM, RpcError, public_error, refuse
 from ember.rpc.server import remaining
 from ember.services.router import tenants, tools
 from ember.services.router.admission import Admission, Throttled
@@ -284,8 +285,10 @@ class RouterService(router_pb2_grpc.RouterServicer):
             raise invalid(f"chat.tool_choice is {choice!r} but chat.tools_json offers no tool")
         if choice == "none":
             offered = None  # not shown to the model: it could not call them
+        if not self.tokenizer.chat_template:  # (the Tokenizer renders nothing then)
+            raise invalid("chat: this model has no chat template; send text instead")
         knows = tools.template_knows_tools(self.tokenizer.chat_template)
-        try:
+        try:  # the client's tools and messages: tools.py raises InvalidRequestError for what is malformed
             names = [tools.function_of(t)["name"] for t in offered or ()]
             if choice == "function" and chat.tool_choice_name not in names:
                 raise invalid(f"chat.tool_choice_name {chat.tool_choice_name!r} is none of the tools offered")
@@ -293,10 +296,18 @@ class RouterService(router_pb2_grpc.RouterServicer):
             grammar = None if offered is None else tools.grammar(
                 offered, choice, chat.tool_choice_name or None,
                 chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True)
-            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, **extra)
-        except (ValueError, TypeError, KeyError, AttributeError, TemplateError) as e:
-            # the model's template, or malformed tools / tool calls (not the objects OpenAI defines)
+        except InvalidRequestError as e:
             raise invalid(f"chat: {e}") from e
+        try:
+            text = await asyncio.to_thread(self.tokenizer.apply_chat_template, messages, **extra)
+        except TemplateSyntaxError:  # the model's template itself is broken: not the client's fault
+            raise
+        except TemplateError as e:
+            # the template refused these messages (its raise_exception: roles that do not alternate,
+            # a role it does not know, ...) or read a field they lack. Anything else escaping the
+            # template (ValueError, TypeError, KeyError, ...) is a bug in what the router built:
+            # INTERNAL, its traceback logged, never the client's 400.
+            raise invalid(f"chat: the model's chat template refused these messages: {e}") from e
         return text, grammar
 
     @property
@@ -319,9 +330,30 @@ class RouterService(router_pb2_grpc.RouterServicer):
                 yield msg
         except Throttled as e:  # its tokens/min quota, charged once its prompt is known (before any output)
             self._throttled(context, tenant, e)
+        except grpc.aio.AbortError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every failure leaves as the router's own public error
+            public = self._public_error(e)
+            if public is e:
+                raise
+            raise public from e
         finally:
             self.admission.refund(tenant, bill.unused())
             self.admission.release(tenant)
+
+    def _public_error(self, e: Exception) -> RpcError:
+        """`e` as this router's public error (ember.rpc.errors.public_error): a downstream status
+        and text stay here, in the log (an internal authorization failure at ERROR: an operator must
+        fix it), never in the answer."""
+        request_id = logs.request_id.get()
+        if isinstance(e, (grpc.aio.AioRpcError, StreamStalled)):
+            code = e.code()
+            level = logging.ERROR if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED) \
+                else logging.WARNING
+            log.log(level, "%s: a downstream call failed with %s: %s", request_id or "-", code.name, e.details())
+            if isinstance(e, StreamStalled):
+                return unavailable(DOWNSTREAM[grpc.StatusCode.UNAVAILABLE][1])
+        return public_error(e, self.retry_after_s, request_id)
 
     def _throttled(self, context, tenant: str, e: Throttled) -> None:
         metrics.REJECTED.inc()
@@ -480,7 +512,7 @@ class RouterService(router_pb2_grpc.RouterServicer):
                     failed += (worker,)
                     if placement.migrations >= self.max_migrations:
                         raise unavailable(f"decode failed {placement.migrations + 1} times for this request "
-                                          f"(router.max_migrations is {self.max_migrations}): {e.details()}") from e
+                                          f"(router.max_migrations is {self.max_migrations}); retry") from e
                     placement.migrations += 1
                     metrics.MIGRATIONS.inc()
                     log.warning("%s: decode on %s broke after %d tokens (%s); migrating", request_id, worker.name,

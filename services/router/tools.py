@@ -86,6 +86,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ember.errors import InvalidRequestError
+
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 CALL_SEPARATOR = "\n"
@@ -119,7 +121,7 @@ def function_of(tool: dict) -> dict:
     a bare function definition ({"name": ..., "parameters": ...}) is accepted too."""
     fn = tool.get("function", tool) if isinstance(tool, dict) else None
     if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-        raise ValueError(f"a tool needs a function with a name: {tool!r}")
+        raise InvalidRequestError(f"a tool needs a function with a name: {tool!r}")
     return fn
 
 
@@ -141,6 +143,9 @@ def render(messages: list[dict], tools: list[dict] | None, knows_tools: bool) ->
     name) -> (the messages the chat template gets, each with 'role' and string 'content';
     extra keyword arguments for the template). See the module docstring for the formats."""
     tools = tools or None
+    for i, m in enumerate(messages):
+        for j, call in enumerate(m.get("tool_calls") or ()):
+            _check_call(call, f"messages[{i}].tool_calls[{j}]")
     if knows_tools:
         out = []
         for m in messages:
@@ -192,6 +197,14 @@ def render(messages: list[dict], tools: list[dict] | None, knows_tools: bool) ->
     return out, {}
 
 
+def _check_call(call, where: str) -> None:
+    """InvalidRequestError unless `call` is a past tool call as OpenAI defines one: an object whose
+    `function` is an object with a string `name` (its `arguments` are kept whatever they are)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise InvalidRequestError(f"{where} needs a function object with a string name, got {call!r:.200}")
+
+
 def _content_text(content) -> str:
     if content is None:
         return ""
@@ -201,10 +214,10 @@ def _content_text(content) -> str:
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise ValueError(f"only text content parts are supported, not {part!r}")
+                raise InvalidRequestError(f"only text content parts are supported, not {part!r}")
             texts.append(part.get("text") or "")
         return "".join(texts)
-    raise ValueError(f"message content must be a string, null or a list of text parts, not {content!r}")
+    raise InvalidRequestError(f"message content must be a string, null or a list of text parts, not {content!r}")
 
 
 def _parse_arguments(arguments):
@@ -254,6 +267,9 @@ def _lark_string(text: str) -> str:
 def _arguments_schema(fn: dict) -> dict:
     params = fn.get("parameters")
     params = params if isinstance(params, dict) and params else NO_PARAMETERS
+    if not isinstance(params.get("x-guidance") or {}, dict):
+        raise InvalidRequestError(f"function {fn['name']!r}: parameters.x-guidance must be an object of "
+                                  f"llguidance options, got {params['x-guidance']!r:.200}")
     schema = {"x-guidance": {**(params.get("x-guidance") or {}), **JSON_OPTIONS}}  # ours win
     schema.update((k, v) for k, v in params.items() if k != "x-guidance")
     schema.setdefault("type", "object")  # ARGS is always an object
